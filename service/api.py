@@ -1,0 +1,97 @@
+"""The LitAPI that runs in each inference worker: load + warm up, then batch -> model -> per-image results."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import litserve as ls
+import numpy as np
+import torch
+from litserve.loops import BatchedLoop
+
+from service import metrics
+from service.batching import BatchRunner
+from service.codec import from_tensor, to_tensor
+from service.config import Settings
+from service.errors import ApiError
+from service.models.loader import load_model
+from service.state import SharedState
+
+log = logging.getLogger(__name__)
+
+
+class ImageAPI(ls.LitAPI):
+    """Images in (already decoded and validated by the HTTP front end), one result or ApiError per image out."""
+
+    def __init__(self, settings: Settings, state: SharedState, batch_size: int) -> None:
+        super().__init__(max_batch_size=batch_size, batch_timeout=settings.batch_timeout_ms / 1000, loop=BatchedLoop())
+        self.settings, self.state = settings, state
+
+    def setup(self, device: str) -> None:
+        """Load the model on `device`, warm it up, measure its memory and fix the batch limits."""
+        settings = self.settings
+        torch_device = torch.device(device)
+        model = load_model(settings.model, settings.model_factory, settings.trust_pickle)
+        if isinstance(model, torch.nn.Module):
+            model = model.to(torch_device).eval()
+        self.runner = BatchRunner(model, torch_device, settings.precision, on_oom=metrics.OOM_SPLITS.inc)
+        try:
+            memory = self.runner.measure(settings.gpu_memory_fraction)
+        except Exception as exc:
+            log.error("imgserve: model failed warm-up on %s: %s", device, exc)
+            raise
+        if settings.max_batch_size == "auto":
+            self.max_batch_size = memory.batch_size_at(settings.max_image_pixels)
+        self.state.set_limits(self.max_batch_size, memory.pixel_budget)
+        log.info(
+            "worker ready on %s: %.0f bytes/pixel, pixel budget %d, max batch %d",
+            device,
+            memory.bytes_per_pixel,
+            memory.pixel_budget,
+            self.max_batch_size,
+        )
+
+    def decode_request(self, request: dict[str, Any]) -> dict[str, Any]:
+        """Pixels from the front end -> the model's input tensor; the deadline travels along."""
+        return {**request, "tensor": to_tensor(request["pixels"])}
+
+    def batch(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Images of different sizes stay a list: BatchRunner pads them into memory-bounded chunks."""
+        return inputs
+
+    def predict(self, items: list[dict[str, Any]]) -> list[torch.Tensor | ApiError]:
+        """Drop what is past its deadline (never computed), run the rest, one answer per item."""
+        now = time.monotonic()
+        live = [i for i, item in enumerate(items) if item["deadline"] > now]
+        results: list[torch.Tensor | ApiError] = [ApiError(504, "deadline", "the deadline passed in the queue")] * len(
+            items
+        )
+        metrics.REJECTED.labels("deadline").inc(len(items) - len(live))
+        if not live:
+            return results
+        for i in live:
+            metrics.QUEUE_WAIT.observe(now - items[i]["admitted"])
+        metrics.BATCH_SIZE.observe(len(live))
+        metrics.INFLIGHT.set(len(live))
+        started = time.perf_counter()
+        try:
+            outputs = self.runner([items[i]["tensor"] for i in live])
+        finally:
+            metrics.INFERENCE_DURATION.observe(time.perf_counter() - started)
+            metrics.INFLIGHT.set(0)
+        for i, output in zip(live, outputs, strict=True):
+            results[i] = output
+        return results
+
+    def unbatch(self, output: list[torch.Tensor | ApiError]) -> list[torch.Tensor | ApiError]:
+        return output
+
+    def encode_response(self, output: torch.Tensor | ApiError) -> np.ndarray | ApiError:
+        """An image -> uint8 HxWxC pixels; class scores -> float32 vector; errors pass through to the front end."""
+        if isinstance(output, ApiError):
+            return output
+        if output.ndim == 3:
+            return from_tensor(output)
+        return output.float().numpy()

@@ -1,0 +1,85 @@
+"""Bytes <-> image <-> tensor: strict decoding of untrusted uploads and encoding of the model's answers."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from service.errors import ApiError
+
+# We check the pixel count ourselves (413), before Pillow decodes anything.
+Image.MAX_IMAGE_PIXELS = None
+
+ACCEPTED_FORMATS = {"JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF", "MPO"}
+OUTPUT_TYPES = {"jpeg": "image/jpeg", "png": "image/png", "webp": "image/webp"}
+
+
+def decode_image(data: bytes, max_pixels: int, size: int | None = None) -> np.ndarray:
+    """Untrusted image bytes -> uint8 HxWx3 RGB array, upright, first frame, alpha over white, 16-bit scaled."""
+    if not data:
+        raise ApiError(400, "empty_body", "the request carried no image bytes")
+    try:
+        image = Image.open(io.BytesIO(data))
+    except UnidentifiedImageError:
+        raise ApiError(400, "not_an_image", "the body is not an image Pillow can read") from None
+    if image.format not in ACCEPTED_FORMATS:
+        raise ApiError(415, "unsupported_image_type", f"{image.format} images are not supported")
+    width, height = image.size
+    if width * height > max_pixels:
+        raise ApiError(413, "image_too_large", f"{width}x{height} is over the limit of {max_pixels} pixels")
+    try:
+        image.load()
+        image = ImageOps.exif_transpose(image)
+        rgb = _to_rgb(image)
+    except (OSError, SyntaxError, ValueError) as exc:
+        raise ApiError(400, "corrupt_image", f"the image could not be decoded: {exc}") from None
+    if size is not None:
+        rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
+    return np.asarray(rgb, dtype=np.uint8)
+
+
+def _to_rgb(image: Image.Image) -> Image.Image:
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        wide = np.asarray(image, dtype=np.float32)
+        scale = 255.0 / 65535.0 if wide.max(initial=0) > 255 else 1.0
+        image = Image.fromarray(np.clip(wide * scale, 0, 255).astype(np.uint8), mode="L")
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
+def to_tensor(pixels: np.ndarray) -> torch.Tensor:
+    """uint8 HxWx3 -> float32 3xHxW in [0, 1]: the input every model gets."""
+    return torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).float().div_(255.0)
+
+
+def from_tensor(image: torch.Tensor) -> np.ndarray:
+    """Model output CxHxW in [0, 1] -> uint8 HxWxC (C is 1 or 3)."""
+    array = image.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8).cpu()
+    return array.permute(1, 2, 0).numpy()
+
+
+def encode_image(pixels: np.ndarray, fmt: str, quality: int) -> bytes:
+    """uint8 HxWxC -> JPEG/PNG/WebP bytes."""
+    image = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
+    buffer = io.BytesIO()
+    options = {"quality": quality} if fmt in ("jpeg", "webp") else {"compress_level": 1}
+    image.save(buffer, format=fmt.upper(), **options)
+    return buffer.getvalue()
+
+
+def choose_format(requested: str | None, accept: str, default: str) -> str:
+    """Output format from ?format=, else the first image type the Accept header names, else the default."""
+    if requested:
+        return requested
+    for part in accept.split(","):
+        media = part.split(";")[0].strip().lower()
+        for fmt, media_type in OUTPUT_TYPES.items():
+            if media == media_type:
+                return fmt
+    return default

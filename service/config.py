@@ -1,0 +1,80 @@
+"""Settings: every knob of the server, from `imgserve serve` flags or `IMGSERVE_<NAME>` environment variables."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+BUILTIN_MODEL = "builtin:denoiser"
+
+
+class Settings(BaseSettings):
+    """What the server serves, on what device, and the limits that keep it alive under load."""
+
+    model_config = SettingsConfigDict(env_prefix="IMGSERVE_", extra="ignore", protected_namespaces=())
+
+    # Where it listens.
+    host: str = Field("0.0.0.0", description="Address to bind (0.0.0.0, 127.0.0.1 or ::).")
+    port: int = Field(8000, ge=1024, le=65535, description="TCP port.")
+    api_servers: int = Field(1, ge=1, description="HTTP front-end processes (they share the port).")
+
+    # What it serves.
+    model: str = Field(BUILTIN_MODEL, description="builtin:denoiser, or a path to .pt/.pt2/.safetensors/.pth.")
+    model_factory: str | None = Field(
+        None, description="module:function that builds the nn.Module for a state-dict/safetensors file."
+    )
+    trust_pickle: bool = Field(
+        False, description="Allow loading a whole pickled model (runs arbitrary code from the file!)."
+    )
+    labels: str | None = Field(None, description="Text file with one class label per line (classifiers).")
+    input_size: int | None = Field(
+        None, ge=8, description="Resize every image to this square size before the model (fixed-size models)."
+    )
+
+    # Where and how it runs.
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks cuda when a GPU is visible.")
+    precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="fp16/bf16 run under autocast.")
+    workers_per_device: int = Field(1, ge=1, description="Inference worker processes per device (one model copy each).")
+    max_batch_size: int | Literal["auto"] = Field(
+        8,
+        description="Most images in one model call; auto measures memory at warm-up and picks the largest that fits.",
+    )
+    batch_timeout_ms: float = Field(5.0, ge=0, description="How long a batch waits to fill up.")
+    gpu_memory_fraction: float = Field(
+        0.8, gt=0, le=1, description="Share of free device memory (RAM on CPU) that batches may use."
+    )
+
+    # Admission and deadlines.
+    max_queue_depth: int = Field(
+        0,
+        ge=0,
+        description="Admitted-but-unanswered requests per pod before 503; 0 = max_batch_size x workers x 4.",
+    )
+    request_timeout_s: float = Field(30.0, gt=0, description="Default deadline of a request.")
+    max_request_timeout_s: float = Field(120.0, gt=0, description="Cap on the X-Request-Timeout header.")
+    retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 503.")
+    drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, how long to finish in-flight requests.")
+
+    # Input limits.
+    max_body_bytes: int = Field(20 * 1024 * 1024, ge=1024, description="Largest request body (413 above).")
+    max_image_pixels: int = Field(
+        16_777_216, ge=64, description="Largest width x height of an input image (413 above; stops bombs)."
+    )
+
+    # Output.
+    output_format: Literal["jpeg", "png", "webp"] = Field("jpeg", description="Image format when none is asked.")
+    jpeg_quality: int = Field(90, ge=1, le=100, description="JPEG/WebP quality when none is asked.")
+
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log verbosity.")
+    access_log: bool = Field(False, description="Log every HTTP request (costs front-end CPU under load).")
+
+    @field_validator("max_batch_size", mode="before")
+    @classmethod
+    def _batch_size(cls, value: object) -> object:
+        if isinstance(value, str) and value.strip().isdigit():
+            value = int(value)
+        if isinstance(value, int) and value < 1:
+            raise ValueError("max_batch_size must be >= 1 or 'auto'")
+        return value

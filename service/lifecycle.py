@@ -1,0 +1,87 @@
+"""Process lifecycle in the main process: drain on SIGTERM, and answer for and restart dead inference workers."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from litserve.utils import WorkerSetupStatus
+from prometheus_client import multiprocess
+
+from service import metrics
+
+if TYPE_CHECKING:
+    from service.server import ImageServer
+
+log = logging.getLogger(__name__)
+POLL_S = 0.2
+
+
+def install_drain_on_sigterm(server: ImageServer) -> None:
+    """SIGTERM: turn not-ready, refuse new work (503), wait for in-flight requests, then shut down cleanly."""
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        if not server.state.draining:
+            server.state.start_draining()
+            threading.Thread(target=_drain_then_stop, args=(server,), name="imgserve-drain", daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+def _drain_then_stop(server: ImageServer) -> None:
+    deadline = time.monotonic() + server.settings.drain_timeout_s
+    log.info("SIGTERM: draining %d in-flight requests", server.state.queue_depth)
+    while server.state.queue_depth > 0 and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    if server.state.queue_depth:
+        log.warning("drain timeout: %d requests still in flight", server.state.queue_depth)
+    stop(server)
+
+
+def stop(server: ImageServer) -> None:
+    """Let LitServe's own clean shutdown run (it handles KeyboardInterrupt, not SIGTERM)."""
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def start_worker_monitor(server: ImageServer, max_restarts: int) -> None:
+    """Watch the inference workers; on a death, fail its requests fast (503) and restart it, or exit non-zero."""
+
+    def watch() -> None:
+        restarts = 0
+        while not server.state.draining:
+            for index, process in enumerate(server.inference_workers):
+                if process.is_alive():
+                    continue
+                server.state.worker_lost(index)
+                multiprocess.mark_process_dead(process.pid)
+                process.join(timeout=0)
+                if restarts >= max_restarts:
+                    log.error(
+                        "inference worker %d died (exit %s); out of restarts, exiting",
+                        index,
+                        process.exitcode,
+                    )
+                    server.state.start_draining(exit_code=1)
+                    stop(server)
+                    return
+                restarts += 1
+                metrics.WORKER_RESTARTS.inc()
+                log.error("inference worker %d died (exit %s); restarting it", index, process.exitcode)
+                server.inference_workers[index] = server.launch_single_inference_worker(server.lit_api, index)
+                _wait_until_setup_ends(server, index)
+                server.state.worker_back(index)
+            time.sleep(POLL_S)
+
+    threading.Thread(target=watch, name="imgserve-worker-monitor", daemon=True).start()
+
+
+def _wait_until_setup_ends(server: ImageServer, index: int) -> None:
+    key = f"{server.lit_api.api_path.split('/')[-1]}_{index}"
+    while server.workers_setup_status.get(key) == WorkerSetupStatus.STARTING:
+        if not server.inference_workers[index].is_alive():
+            return
+        time.sleep(POLL_S)

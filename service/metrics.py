@@ -1,0 +1,133 @@
+"""Prometheus metrics of the contract, correct across processes (prometheus_client multiprocess mode).
+
+`PROMETHEUS_MULTIPROC_DIR` must be set before this module is imported; `service.server` does that.
+Live numbers that belong to the pod rather than a process (queue depth, GPU, model info) are read at scrape time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+from prometheus_client.core import GaugeMetricFamily, Metric
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.state import SharedState
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+REJECT_REASONS = ("queue_full", "draining", "deadline", "worker_lost")
+ROUTES = {
+    "/predict",
+    "/v1/images:predict",
+    "/health",
+    "/health/live",
+    "/health/ready",
+    "/info",
+    "/metrics",
+    "/",
+}
+
+REQUESTS = Counter("imgserve_requests_total", "HTTP requests answered, by route and status code", ["route", "code"])
+REQUEST_DURATION = Histogram(
+    "imgserve_request_duration_seconds", "Time from request to answer", ["route"], buckets=LATENCY_BUCKETS
+)
+QUEUE_WAIT = Histogram(
+    "imgserve_queue_wait_seconds",
+    "Time from admission to the start of the model batch",
+    buckets=LATENCY_BUCKETS,
+)
+BATCH_SIZE = Histogram("imgserve_batch_size", "Images per model batch", buckets=BATCH_BUCKETS)
+INFERENCE_DURATION = Histogram(
+    "imgserve_inference_duration_seconds", "Time of one batch on the model", buckets=LATENCY_BUCKETS
+)
+REJECTED = Counter("imgserve_rejected_total", "Requests shed or timed out instead of computed", ["reason"])
+INFLIGHT = Gauge("imgserve_inflight_requests", "Images in a model batch right now", multiprocess_mode="livesum")
+OOM_SPLITS = Counter("imgserve_oom_splits_total", "Batches split and retried after running out of memory")
+WORKER_RESTARTS = Counter("imgserve_worker_restarts_total", "Inference workers restarted after dying")
+
+
+class PodCollector:
+    """Scrape-time gauges: queue depth from shared memory, model/build info, GPU utilization and memory (NVML)."""
+
+    def __init__(self, state: SharedState, model: str, precision: str, device: str, version: str) -> None:
+        self.state, self.model, self.precision, self.device, self.version = (
+            state,
+            model,
+            precision,
+            device,
+            version,
+        )
+
+    def collect(self) -> Iterator[Metric]:
+        depth = GaugeMetricFamily("imgserve_queue_depth", "Requests admitted and not yet answered (this pod)")
+        depth.add_metric([], self.state.queue_depth)
+        info = GaugeMetricFamily("imgserve_model_info", "The model served", labels=["model", "precision", "device"])
+        info.add_metric([self.model, self.precision, self.device], 1)
+        build = GaugeMetricFamily("imgserve_build_info", "The imgserve version", labels=["version"])
+        build.add_metric([self.version], 1)
+        yield from (depth, info, build)
+        if self.device.startswith("cuda"):
+            yield from _gpu_metrics()
+
+
+def _gpu_metrics() -> Iterator[Metric]:
+    """Per-GPU utilization and memory from NVML; nothing when NVML is not there (never made-up numbers)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no NVML library or driver: the metrics are absent
+        return
+    util = GaugeMetricFamily("imgserve_gpu_utilization_ratio", "GPU busy share (0-1)", labels=["device"])
+    used = GaugeMetricFamily("imgserve_gpu_memory_used_bytes", "GPU memory in use", labels=["device"])
+    total = GaugeMetricFamily("imgserve_gpu_memory_total_bytes", "GPU memory in all", labels=["device"])
+    for index in range(pynvml.nvmlDeviceGetCount()):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        label = [f"cuda:{index}"]
+        util.add_metric(label, pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0)
+        used.add_metric(label, memory.used)
+        total.add_metric(label, memory.total)
+    yield from (util, used, total)
+
+
+def exposition(pod: PodCollector) -> bytes:
+    """The /metrics body: every process's samples merged, plus the pod's live gauges."""
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    registry.register(pod)
+    return generate_latest(registry)
+
+
+def preregister() -> None:
+    """Create the labelled series at zero so rates exist before the first shed."""
+    for reason in REJECT_REASONS:
+        REJECTED.labels(reason)
+
+
+class MetricsMiddleware:
+    """Counts every HTTP answer by route and status code and times it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        started = time.perf_counter()
+        status = 500
+
+        async def send_and_record(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            REQUESTS.labels(route, str(status)).inc()
+            REQUEST_DURATION.labels(route).observe(time.perf_counter() - started)

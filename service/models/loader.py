@@ -1,0 +1,97 @@
+"""Load the model to serve: the built-in denoiser, TorchScript, torch.export (.pt2), or weights plus a factory."""
+
+from __future__ import annotations
+
+import importlib
+import pickle
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from service.config import BUILTIN_MODEL
+
+Model = Callable[[torch.Tensor], torch.Tensor]
+
+
+class ModelLoadError(RuntimeError):
+    """The model named in the settings cannot be loaded; the message says why and what to do."""
+
+
+def check_model_source(spec: str, factory: str | None) -> None:
+    """Fail fast, before any worker starts, on a missing file, an unknown format or a bad factory."""
+    if spec == BUILTIN_MODEL:
+        return
+    path = Path(spec)
+    if not path.is_file():
+        raise ModelLoadError(f"model file not found: {path}")
+    if path.suffix not in (".pt", ".pth", ".ts", ".jit", ".pt2", ".safetensors"):
+        raise ModelLoadError(
+            f"unknown model format {path.suffix!r}: use .pt/.pth (TorchScript or state dict), .pt2, .safetensors"
+        )
+    if path.suffix == ".safetensors" and not factory:
+        raise ModelLoadError("a .safetensors file holds only weights: set --model-factory module:function")
+    if factory:
+        _import_factory(factory)
+
+
+def load_model(spec: str, factory: str | None = None, trust_pickle: bool = False) -> Model:
+    """The model in eval mode on the CPU; the caller moves it to its device."""
+    check_model_source(spec, factory)
+    if spec == BUILTIN_MODEL:
+        from service.models.denoiser import build_denoiser
+
+        return build_denoiser().eval()
+    path = Path(spec)
+    if path.suffix == ".pt2":
+        return torch.export.load(str(path)).module()
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return _with_state(factory, load_file(str(path)))
+    if _is_torchscript(path):
+        return torch.jit.load(str(path), map_location="cpu").eval()
+    try:
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        if not trust_pickle:
+            raise ModelLoadError(
+                f"{path} is a pickled Python object, not weights: loading it would run code from the file. "
+                "Re-save it with torch.jit.save / torch.export.save / model.state_dict(), "
+                "or pass --trust-pickle if you trust its author."
+            ) from None
+        loaded = torch.load(path, map_location="cpu", weights_only=False)
+    if isinstance(loaded, torch.nn.Module):
+        return loaded.eval()
+    if isinstance(loaded, dict):
+        if not factory:
+            raise ModelLoadError(f"{path} holds a state dict: set --model-factory module:function to build the module")
+        return _with_state(factory, loaded)
+    raise ModelLoadError(f"{path} holds a {type(loaded).__name__}, not a model or a state dict")
+
+
+def _is_torchscript(path: Path) -> bool:
+    if not zipfile.is_zipfile(path):
+        return False
+    with zipfile.ZipFile(path) as archive:
+        return any(name.endswith("/constants.pkl") or "/code/" in name for name in archive.namelist())
+
+
+def _import_factory(factory: str) -> Callable[[], torch.nn.Module]:
+    module_name, _, attribute = factory.partition(":")
+    if not module_name or not attribute:
+        raise ModelLoadError(f"model factory must look like module:function, got {factory!r}")
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise ModelLoadError(f"cannot import model factory {factory!r}: {exc}") from None
+
+
+def _with_state(factory: str | None, state: dict) -> torch.nn.Module:
+    module = _import_factory(factory or "")()
+    try:
+        module.load_state_dict(state)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"the weights do not fit the module built by {factory}: {exc}") from None
+    return module.eval()

@@ -1,0 +1,148 @@
+"""Builds and runs the LitServer: front-end routes and middleware, inference workers, drain and worker monitor.
+
+Import it only after `PROMETHEUS_MULTIPROC_DIR` is set (the `imgserve serve` command does it first).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import litserve as ls
+import torch
+from starlette.routing import Route
+
+from service import __version__, metrics
+from service.admission import AdmissionMiddleware, queue_bound
+from service.api import ImageAPI
+from service.config import Settings
+from service.lifecycle import install_drain_on_sigterm, start_worker_monitor
+from service.models.loader import ModelLoadError, check_model_source
+from service.routes import Routes
+from service.state import SharedState
+
+log = logging.getLogger(__name__)
+MAX_WORKER_RESTARTS = 3
+
+
+def resolve_device(device: str) -> str:
+    """auto -> cuda when torch sees a GPU, else cpu."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("imgserve: --device cuda was asked for but torch sees no GPU")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+class ImageServer(ls.LitServer):
+    """LitServer with imgserve's own predict/health/info/metrics routes and admission in front."""
+
+    def __init__(self, settings: Settings) -> None:
+        import torch
+
+        self.settings = settings
+        self.accelerator = resolve_device(settings.device)
+        devices = torch.cuda.device_count() if self.accelerator == "cuda" else 1
+        self.worker_count = devices * settings.workers_per_device
+        self.state = SharedState(self.worker_count)
+        batch_size = 1 if settings.max_batch_size == "auto" else settings.max_batch_size
+        self.queue_limit = queue_bound(settings, self.worker_count, batch_size)
+        api = ImageAPI(settings, self.state, batch_size)
+        super().__init__(
+            api,
+            accelerator=self.accelerator,
+            devices=devices,
+            workers_per_device=settings.workers_per_device,
+            timeout=False,
+            middlewares=[
+                (AdmissionMiddleware, {"state": self.state, "settings": settings, "limit": self.queue_limit}),
+                metrics.MetricsMiddleware,
+            ],
+        )
+        self._monitor_workers = False  # imgserve's own monitor answers for the dead worker's requests
+        self.pod_collector = metrics.PodCollector(
+            self.state, settings.model, settings.precision, self.device_names[0], __version__
+        )
+        metrics.preregister()
+
+    def _register_internal_endpoints(self) -> None:
+        """Called by LitServer.__init__; our routes replace LitServe's /health and /info."""
+
+    def _register_api_endpoints(self, lit_api: ls.LitAPI, request_type: Any, response_type: Any) -> None:
+        routes = Routes(self)
+        for path in ("/predict", "/v1/images:predict"):
+            self.app.router.routes.append(Route(path, routes.predict, methods=["POST"]))
+        for path, endpoint in (
+            ("/health/live", routes.live),
+            ("/health/ready", routes.ready),
+            ("/health", routes.ready),
+            ("/info", routes.info),
+            ("/metrics", routes.metrics),
+        ):
+            self.app.router.routes.append(Route(path, endpoint, methods=["GET"]))
+
+    def _register_middleware(self) -> None:
+        """LitServe's GZip is left out: images do not compress, and it would burn front-end CPU."""
+        for middleware, kwargs in [m if isinstance(m, tuple) else (m, {}) for m in self.middlewares]:
+            if middleware.__name__ != "GZipMiddleware":
+                self.app.add_middleware(middleware, **kwargs)
+
+    @property
+    def device_names(self) -> list[str]:
+        """LitServe keeps 'cpu' as a string and CUDA devices as one-element lists."""
+        return [d if isinstance(d, str) else d[0] for d in self.devices]
+
+    def _start_server(self, *args: Any, **kwargs: Any) -> Any:
+        """Start the HTTP front ends (forked), then watch the inference workers."""
+        front_ends = super()._start_server(*args, **kwargs)
+        start_worker_monitor(self, MAX_WORKER_RESTARTS)
+        return front_ends
+
+    @property
+    def request_queue(self) -> Any:
+        return self._get_request_queue(self.lit_api.api_path)
+
+    def describe(self) -> dict[str, Any]:
+        """What GET /info answers."""
+
+        limits = self.state.limits
+        return {
+            "model": self.settings.model,
+            "device": self.pod_collector.device,
+            "devices": self.device_names,
+            "precision": self.settings.precision,
+            "workers": self.worker_count,
+            "max_batch_size": limits["max_batch_size"] or self.settings.max_batch_size,
+            "batch_pixel_budget": limits["pixel_budget"],
+            "batch_timeout_ms": self.settings.batch_timeout_ms,
+            "max_queue_depth": self.queue_limit,
+            "request_timeout_s": self.settings.request_timeout_s,
+            "max_body_bytes": self.settings.max_body_bytes,
+            "max_image_pixels": self.settings.max_image_pixels,
+            "version": __version__,
+        }
+
+
+def serve(settings: Settings) -> int:
+    """Run until SIGTERM/SIGINT; the exit code is 0 after a clean drain, 1 if workers kept dying."""
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        check_model_source(settings.model, settings.model_factory)
+    except ModelLoadError as exc:
+        log.error("imgserve: %s", exc)
+        return 2
+    server = ImageServer(settings)
+    install_drain_on_sigterm(server)
+    try:
+        server.run(
+            host=settings.host,
+            port=settings.port,
+            num_api_servers=settings.api_servers,
+            log_level=settings.log_level,
+            generate_client_file=False,
+            access_log=settings.access_log,
+        )
+    except RuntimeError as exc:  # a worker's setup failed: its log above says why
+        log.error("imgserve: the model failed to load or warm up (%s)", exc)
+        return 2
+    return server.state.exit_code

@@ -1,0 +1,79 @@
+"""Counters and flags shared by every process of one server: HTTP front ends, inference workers, the main process."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+# spawn-context primitives can be handed to spawned workers and inherited by forked front ends alike.
+_ctx = mp.get_context("spawn")
+
+
+class SharedState:
+    """Exact per-pod numbers (queue depth, draining, worker health) that no single process could know alone."""
+
+    def __init__(self, workers: int) -> None:
+        self._depth = _ctx.Value("i", 0)
+        self._draining = _ctx.Value("b", 0)
+        self._exit_code = _ctx.Value("i", 0)
+        self._batch_size = _ctx.Value("i", 0)
+        self._pixel_budget = _ctx.Value("q", 0)
+        self._alive = _ctx.Array("b", [1] * workers)
+        self._lost_at = _ctx.Array("d", [0.0] * workers)
+
+    # Admission: requests admitted and not yet answered.
+    def try_admit(self, limit: int) -> bool:
+        """Take a place in the queue if one is free."""
+        with self._depth.get_lock():
+            if self._depth.value >= limit:
+                return False
+            self._depth.value += 1
+            return True
+
+    def release(self) -> None:
+        with self._depth.get_lock():
+            self._depth.value -= 1
+
+    @property
+    def queue_depth(self) -> int:
+        return self._depth.value
+
+    # Shutdown.
+    @property
+    def draining(self) -> bool:
+        return bool(self._draining.value)
+
+    def start_draining(self, exit_code: int = 0) -> None:
+        self._exit_code.value = max(self._exit_code.value, exit_code)
+        self._draining.value = 1
+
+    @property
+    def exit_code(self) -> int:
+        return self._exit_code.value
+
+    # What the workers decided at warm-up.
+    def set_limits(self, batch_size: int, pixel_budget: int) -> None:
+        self._batch_size.value, self._pixel_budget.value = batch_size, pixel_budget
+
+    @property
+    def limits(self) -> dict[str, int | None]:
+        return {
+            "max_batch_size": self._batch_size.value or None,
+            "pixel_budget": self._pixel_budget.value or None,
+        }
+
+    # Worker health, kept by the main process's monitor.
+    def worker_lost(self, worker: int) -> None:
+        self._alive[worker] = 0
+        self._lost_at[worker] = time.monotonic()
+
+    def worker_back(self, worker: int) -> None:
+        self._alive[worker] = 1
+
+    @property
+    def all_workers_alive(self) -> bool:
+        return all(self._alive[:])
+
+    def lost_since(self, worker: int, since: float) -> bool:
+        """Did `worker` die after `since` (a time.monotonic() reading)?"""
+        return self._lost_at[worker] > since
