@@ -17,6 +17,7 @@ log = logging.getLogger(__name__)
 
 PROBE_SIDE = 256
 AUTO_BATCH_CAP = 256
+MAX_PAD_WASTE = 2.0  # a padded chunk may hold at most twice the real pixels
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -36,8 +37,11 @@ class MemoryPlan:
         return min(max(self.pixel_budget // pixels, 1), AUTO_BATCH_CAP)
 
 
-def plan_chunks(sizes: list[tuple[int, int]], pixel_budget: int, max_waste: float = 2.0) -> list[list[int]]:
-    """Group item indices so each padded chunk (n x max h x max w) stays in budget and padding stays small."""
+def plan_chunks(sizes: list[tuple[int, int]], pixel_budget: int, max_waste: float) -> list[list[int]]:
+    """Group item indices so each padded chunk (n x max h x max w) stays in budget and padded/real <= max_waste.
+
+    max_waste 1.0 means no padding at all: only images of the same size share a chunk.
+    """
     order = sorted(range(len(sizes)), key=lambda i: (sizes[i][0] * sizes[i][1], sizes[i]))
     chunks: list[list[int]] = []
     current: list[int] = []
@@ -59,14 +63,17 @@ def plan_chunks(sizes: list[tuple[int, int]], pixel_budget: int, max_waste: floa
 class BatchRunner:
     """Runs a model over a list of 3xHxW tensors of any sizes; returns one output (or ApiError) per input."""
 
-    def __init__(self, model: Callable, device: torch.device, precision: str, on_oom: Callable[[], None]) -> None:
+    def __init__(
+        self, model: Callable, device: torch.device, precision: str, pad: bool, on_oom: Callable[[], None]
+    ) -> None:
         self.model, self.device, self.precision, self.on_oom = model, device, precision, on_oom
+        self.max_waste = MAX_PAD_WASTE if pad else 1.0
         self.memory = MemoryPlan(bytes_per_pixel=1.0, budget_bytes=2**62)
 
     def __call__(self, images: list[torch.Tensor]) -> list[torch.Tensor | ApiError]:
         results: list[torch.Tensor | ApiError] = [ApiError(500, "no_output", "no output")] * len(images)
         sizes = [tuple(image.shape[-2:]) for image in images]
-        for chunk in plan_chunks(sizes, self.memory.pixel_budget):
+        for chunk in plan_chunks(sizes, self.memory.pixel_budget, self.max_waste):
             for index, output in zip(chunk, self._run_chunk([images[i] for i in chunk]), strict=True):
                 results[index] = output
         return results

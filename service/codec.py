@@ -38,7 +38,7 @@ def decode_image(data: bytes, max_pixels: int, size: int | None = None) -> np.nd
         raise ApiError(400, "corrupt_image", f"the image could not be decoded: {exc}") from None
     if size is not None:
         rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
-    return np.asarray(rgb, dtype=np.uint8)
+    return np.array(rgb, dtype=np.uint8)
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

@@ -42,6 +42,10 @@ class Settings(BaseSettings):
         description="Most images in one model call; auto measures memory at warm-up and picks the largest that fits.",
     )
     batch_timeout_ms: float = Field(5.0, ge=0, description="How long a batch waits to fill up.")
+    pad_mixed_sizes: Literal["auto", "true", "false"] = Field(
+        "auto",
+        description="Batch different sizes by padding (edge pixels may differ slightly); auto = on GPU only.",
+    )
     gpu_memory_fraction: float = Field(
         0.8, gt=0, le=1, description="Share of free device memory (RAM on CPU) that batches may use."
     )

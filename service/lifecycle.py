@@ -30,6 +30,8 @@ def install_drain_on_sigterm(server: ImageServer) -> None:
             threading.Thread(target=_drain_then_stop, args=(server,), name="imgserve-drain", daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    # stop() delivers SIGINT; a shell's background job starts with it ignored, so take it back.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _drain_then_stop(server: ImageServer) -> None:

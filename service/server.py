@@ -53,7 +53,8 @@ class ImageServer(ls.LitServer):
             accelerator=self.accelerator,
             devices=devices,
             workers_per_device=settings.workers_per_device,
-            timeout=False,
+            timeout=False,  # deadlines are imgserve's (admission + worker), per request
+            restart_workers=True,  # workers then report which one took a request; imgserve's monitor restarts
             middlewares=[
                 (AdmissionMiddleware, {"state": self.state, "settings": settings, "limit": self.queue_limit}),
                 metrics.MetricsMiddleware,

@@ -1,0 +1,191 @@
+{{/* Names, labels and the derived values that several templates share. */}}
+
+{{/* Chart name, overridable. */}}
+{{- define "imgserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name: release name, plus the chart name unless the release name contains it; 63 characters at most. */}}
+{{- define "imgserve.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Chart label value. */}}
+{{- define "imgserve.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Selector labels (immutable on the Deployment: keep them minimal). */}}
+{{- define "imgserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "imgserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end }}
+
+{{/* Standard labels of every object. */}}
+{{- define "imgserve.labels" -}}
+helm.sh/chart: {{ include "imgserve.chart" . }}
+{{ include "imgserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: imgserve
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/* ServiceAccount name. */}}
+{{- define "imgserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "imgserve.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* Server image reference (digest wins over tag; tag defaults to appVersion). */}}
+{{- define "imgserve.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/* Whether an autoscaler (HPA or KEDA) owns the replica count. */}}
+{{- define "imgserve.autoscaled" -}}
+{{- if or .Values.autoscaling.hpa.enabled .Values.autoscaling.keda.enabled }}true{{ end }}
+{{- end }}
+
+{{/* Whether the GPU-utilization signal is used (needs GPUs). */}}
+{{- define "imgserve.gpuScaling" -}}
+{{- if and .Values.gpu.enabled .Values.autoscaling.gpuUtilization.enabled }}true{{ end }}
+{{- end }}
+
+{{/* The replica count the workload is meant to keep at least (PDB decision). */}}
+{{- define "imgserve.minReplicas" -}}
+{{- if include "imgserve.autoscaled" . }}{{ .Values.autoscaling.minReplicas }}{{ else }}{{ .Values.replicaCount }}{{ end }}
+{{- end }}
+
+{{/* Drain timeout in whole seconds (settings.drain_timeout_s; the server's default is 30). */}}
+{{- define "imgserve.drainSeconds" -}}
+{{- $drain := 30 }}
+{{- if hasKey .Values.settings "drain_timeout_s" }}{{ $drain = .Values.settings.drain_timeout_s }}{{ end }}
+{{- int (ceil $drain) }}
+{{- end }}
+
+{{/* terminationGracePeriodSeconds = preStop sleep + drain timeout + margin, so the drain is never cut short by SIGKILL. */}}
+{{- define "imgserve.terminationGracePeriodSeconds" -}}
+{{- add .Values.lifecycle.preStopSleepSeconds (include "imgserve.drainSeconds" .) .Values.lifecycle.terminationMarginSeconds }}
+{{- end }}
+
+{{/* IMGSERVE_MODEL for the configured model source. */}}
+{{- define "imgserve.modelPath" -}}
+{{- if eq .Values.model.source "image" }}
+{{- .Values.model.path }}
+{{- else }}
+{{- printf "/models/%s" .Values.model.file }}
+{{- end }}
+{{- end }}
+
+{{/* The server's environment: IMGSERVE_<NAME> from settings (whole numbers printed as integers, not 2e+07), with MODEL/PORT/HOST from the chart and DEVICE from gpu.enabled unless set. */}}
+{{- define "imgserve.env" -}}
+{{- $env := dict }}
+{{- range $key, $value := .Values.settings }}
+{{- if and (kindIs "float64" $value) (eq $value (floor $value)) }}{{ $value = int64 $value }}{{ end }}
+{{- $_ := set $env (upper $key) (toString $value) }}
+{{- end }}
+{{- if not (hasKey $env "DEVICE") }}
+{{- $_ := set $env "DEVICE" (ternary "cuda" "cpu" .Values.gpu.enabled) }}
+{{- end }}
+{{- $_ := set $env "MODEL" (include "imgserve.modelPath" .) }}
+{{- $_ := set $env "PORT" (toString .Values.containerPort) }}
+{{- $_ := set $env "HOST" "0.0.0.0" }}
+{{- range $key, $value := $env }}
+- name: IMGSERVE_{{ $key }}
+  value: {{ $value | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Prometheus label selector of this release's pods (the ServiceMonitor target labels namespace and pod). */}}
+{{- define "imgserve.podSelector" -}}
+namespace="{{ .Release.Namespace }}",pod=~"{{ include "imgserve.fullname" . }}-.*"
+{{- end }}
+
+{{/* DCGM GPU utilization (0..100) moved onto the serving pods: dcgm-exporter's workload labels arrive as
+exported_pod/exported_namespace (honorLabels false) or pod/namespace (honorLabels true); label_replace covers both,
+and the join keeps only pods that export imgserve_build_info with the given matchers. */}}
+{{- define "imgserve.dcgmJoined" -}}
+label_replace(label_replace(DCGM_FI_DEV_GPU_UTIL, "pod", "$1", "exported_pod", "(.+)"), "namespace", "$1", "exported_namespace", "(.+)") and on (namespace, pod) imgserve_build_info{ {{- . -}} }
+{{- end }}
+
+{{/* KEDA query: total admitted-not-answered requests of the release (one element; AverageValue divides by pods). */}}
+{{- define "imgserve.kedaQueueQuery" -}}
+sum(imgserve_queue_depth{ {{- include "imgserve.podSelector" . -}} })
+{{- end }}
+
+{{/* KEDA query: average GPU utilization of the release's pods in percent (one element; Value). */}}
+{{- define "imgserve.kedaGpuQuery" -}}
+{{- if eq .Values.autoscaling.gpuUtilization.source "dcgm" }}
+{{- printf "avg(%s)" (include "imgserve.dcgmJoined" (include "imgserve.podSelector" .)) }}
+{{- else }}
+{{- printf "100 * avg(imgserve_gpu_utilization_ratio{%s})" (include "imgserve.podSelector" .) }}
+{{- end }}
+{{- end }}
+
+{{/* HPA Pods metric name of GPU utilization, as named by the rules in prometheus-adapter-values.yaml. */}}
+{{- define "imgserve.hpaGpuMetric" -}}
+{{- ternary "imgserve_dcgm_gpu_utilization_percent" "imgserve_gpu_utilization_percent" (eq .Values.autoscaling.gpuUtilization.source "dcgm") }}
+{{- end }}
+
+{{/* Refuse combinations the schema cannot fully express or that --skip-schema-validation lets through. */}}
+{{- define "imgserve.validate" -}}
+{{- $a := .Values.autoscaling }}
+{{- if and $a.hpa.enabled $a.keda.enabled }}
+{{- fail "autoscaling.hpa.enabled and autoscaling.keda.enabled are mutually exclusive: enable one (KEDA is recommended)" }}
+{{- end }}
+{{- if and $a.keda.enabled (eq (toString $a.keda.idleReplicaCount) "0") (not $a.keda.wakeQuery) }}
+{{- fail "autoscaling.keda.idleReplicaCount=0 (scale to zero) needs autoscaling.keda.wakeQuery: at zero pods the pods' own metrics are gone and could never wake the workload" }}
+{{- end }}
+{{- if gt (int $a.minReplicas) (int $a.maxReplicas) }}
+{{- fail "autoscaling.minReplicas must not exceed autoscaling.maxReplicas" }}
+{{- end }}
+{{- if and (eq .Values.model.source "pvc") (not .Values.model.pvc.claimName) }}
+{{- fail "model.source=pvc needs model.pvc.claimName" }}
+{{- end }}
+{{- if and (ne .Values.model.source "image") (not .Values.model.file) }}
+{{- fail "model.source=pvc or init needs model.file (the file under /models)" }}
+{{- end }}
+{{- if and (eq .Values.model.source "init") (not .Values.model.init.command) }}
+{{- fail "model.source=init needs model.init.command (it writes the model into /models)" }}
+{{- end }}
+{{- end }}
+
+{{/* checkov skip annotations for objects that run the server image, each with its reason (checkov reads them from
+metadata.annotations). Argument: a dict with "root" (the chart context) and "probes" (true for the one-shot test Pod). */}}
+{{- define "imgserve.checkovSkips" -}}
+{{- $v := .root.Values }}
+{{- $n := 0 }}
+{{- if ne $v.image.pullPolicy "Always" }}
+{{- $n = add1 $n }}
+checkov.io/skip{{ $n }}: "CKV_K8S_15=IfNotPresent is deliberate, the CUDA image is several GB and release tags are immutable; Always slows every scale-up"
+{{- end }}
+{{- if not $v.image.digest }}
+{{- $n = add1 $n }}
+checkov.io/skip{{ $n }}: "CKV_K8S_43=pinning by digest is the user's choice via image.digest; the default is the chart appVersion tag"
+{{- end }}
+{{- if .probes }}
+{{- $n = add1 $n }}
+checkov.io/skip{{ $n }}: "CKV_K8S_8=a one-shot helm test Pod that exits after one request has nothing to probe for liveness"
+{{- $n = add1 $n }}
+checkov.io/skip{{ $n }}: "CKV_K8S_9=a one-shot helm test Pod receives no traffic, so readiness means nothing"
+{{- end }}
+{{- end }}

@@ -1,0 +1,245 @@
+"""Side-by-side benchmark on one machine and model: in-process limit, FastAPI baseline, plain LitServe, imgserve.
+
+`python -m loadtests.bench [--quick] --out loadtests/results/bench.md`
+
+Each server is started by the harness on a free loopback port, warmed up, driven by the closed-loop client
+at each concurrency (plus a 10x overload), and killed with its whole process tree. The markdown table with
+the ratios imgserve/limit, imgserve/baseline and imgserve/plain LitServe is printed and written to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import os
+import shlex
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+from loadtests.closed_loop import LoadResult, run_closed_loop
+from loadtests.inprocess import BATCH_SIZES, Limit, measure_limit
+from loadtests.servers import ResourceSampler, free_port, imgserve_command, running_server
+
+CONCURRENCIES = (1, 3, 20, 64)
+OVERLOAD_FACTOR = 10
+BASELINE, PLAIN, IMGSERVE = "FastAPI baseline", "plain LitServe", "imgserve"
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A server to benchmark: how to start it on a port, and its readiness path."""
+
+    name: str
+    command: Callable[[int], list[str]]
+    ready_path: str
+
+
+def _module(name: str) -> Callable[[int], list[str]]:
+    return lambda port: [sys.executable, "-m", name, "--port", str(port)]
+
+
+CONTENDERS = (
+    Contender(BASELINE, _module("loadtests.baseline_fastapi"), "/health"),
+    Contender(PLAIN, _module("loadtests.plain_litserve"), "/health"),
+    Contender(IMGSERVE, imgserve_command, "/health/ready"),
+)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One server at one concurrency: the load result and the server's peak memory during it."""
+
+    server: str
+    result: LoadResult
+    peak_rss_bytes: int
+    peak_gpu_bytes: int | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How long and how hard to push: concurrencies (the last is the overload), seconds per cell."""
+
+    concurrencies: tuple[int, ...]
+    seconds: float
+    warmup_s: float
+    limit_seconds: float
+    batch_sizes: tuple[int, ...]
+
+    @classmethod
+    def make(cls, quick: bool) -> Plan:
+        levels = (1, 20) if quick else CONCURRENCIES
+        if quick:
+            return cls((*levels, OVERLOAD_FACTOR * levels[-1]), 2.0, 0.5, 1.0, (1, 8))
+        return cls((*levels, OVERLOAD_FACTOR * levels[-1]), 10.0, 2.0, 3.0, BATCH_SIZES)
+
+    @property
+    def overload(self) -> int:
+        return self.concurrencies[-1]
+
+
+def bench_server(contender: Contender, plan: Plan, log_dir: Path) -> tuple[list[Cell], dict]:
+    """Start `contender`, warm it up, run every cell, stop it; returns the cells and its GET /info (or {})."""
+    port = free_port()
+    with running_server(contender.command(port), port, log_dir / f"{port}.log", contender.ready_path) as server:
+        info = {}
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            info = httpx.get(server.url + "/info", timeout=5).json()
+        url = server.url + "/predict"
+        run_closed_loop(url, users=4, seconds=plan.warmup_s)
+        cells = []
+        for users in plan.concurrencies:
+            with ResourceSampler(server) as sampler:
+                result = run_closed_loop(url, users, plan.seconds, plan.warmup_s)
+            cells.append(Cell(contender.name, result, sampler.peak_rss_bytes, sampler.peak_gpu_bytes))
+            print(f"  {contender.name:17s} users {users:4d}: {_summary(cells[-1])}", flush=True)
+    return cells, info
+
+
+def _summary(cell: Cell) -> str:
+    r = cell.result
+    return f"{r.rps:7.1f}/s p50 {_ms(r.latency_ms(0.5))} p99 {_ms(r.latency_ms(0.99))} shed {r.shed} failed {r.failed}"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
+def machine() -> str:
+    """CPU count and model, RAM, and the GPU if torch sees one."""
+    model = "unknown CPU"
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
+    ram = psutil.virtual_memory().total / 2**30
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{os.cpu_count()} CPUs ({model}), {ram:.0f} GiB RAM, {gpu}"
+
+
+def _targets(plan: Plan, limit: Limit, by_key: dict[tuple[str, int], Cell]) -> list[str]:
+    by_name = (BASELINE, PLAIN, IMGSERVE)
+    top = plan.concurrencies[-2]
+    imgserve = by_key[IMGSERVE, top].result
+    lines = []
+    for name, reference, factor in (
+        ("in-process limit", limit.images_per_s, 0.8),
+        (BASELINE, by_key[BASELINE, top].result.rps, 1.2),
+        (PLAIN, by_key[PLAIN, top].result.rps, 1.2),
+    ):
+        met = imgserve.rps >= factor * reference
+        lines.append(
+            f"- throughput at {top} users >= {factor}x {name}: {imgserve.rps:.1f} vs {reference:.1f}/s "
+            f"({_ratio(imgserve.rps, reference)}) — **{'met' if met else 'missed'}**"
+        )
+    for name in (IMGSERVE, BASELINE):
+        at_capacity = max((by_key[name, u] for u in plan.concurrencies[:-1]), key=lambda c: c.result.rps).result
+        overload = by_key[name, plan.overload].result
+        p99_cap, p99_over = at_capacity.latency_ms(0.99), overload.latency_ms(0.99)
+        growth = _ratio(p99_over or 0, p99_cap or 0)
+        verdict = ""
+        if name == IMGSERVE:
+            met = p99_cap is not None and p99_over is not None and p99_over <= 2 * p99_cap
+            verdict = f" — **{'met' if met else 'missed'}** (target <= 2x)"
+        lines.append(
+            f"- {name} accepted p99 under {plan.overload} users vs at capacity ({at_capacity.users} users): "
+            f"{_ms(p99_over)} vs {_ms(p99_cap)} ms ({growth}){verdict}"
+        )
+    failed = {name: sum(c.result.failed for c in by_key.values() if c.server == name) for name in by_name}
+    lines.append(
+        f"- failed requests other than 503/504: imgserve {failed[IMGSERVE]} — "
+        f"**{'met' if failed[IMGSERVE] == 0 else 'missed'}** (baseline {failed[BASELINE]}, "
+        f"plain LitServe {failed[PLAIN]})"
+    )
+    return lines
+
+
+def render(plan: Plan, limit: Limit, cells: list[Cell], info: dict, command: str, host: str) -> str:
+    """The markdown report: setup, throughput with ratios, latency/errors/memory per cell, targets."""
+    by_key = {(c.server, c.result.users): c for c in cells}
+    by_batch = ", ".join(f"{b}: {v:.1f}" for b, v in limit.by_batch.items())
+    settings = ", ".join(
+        f"{k} {info[k]}"
+        for k in ("device", "max_batch_size", "batch_timeout_ms", "max_queue_depth", "workers")
+        if k in info
+    )
+    label = {u: f"{u} (10x overload)" if u == plan.overload else str(u) for u in plan.concurrencies}
+    lines = [
+        f"Command: `{command}`  ",
+        f"Machine: {host}  ",
+        f"Run: {datetime.datetime.now().isoformat(timespec='minutes')}, closed loop, {plan.seconds:g} s per cell "
+        f"after {plan.warmup_s:g} s warm-up, 8 mixed-size images (64x64 to 192x192, JPEG/PNG) as multipart, "
+        "JPEG answers checked (decodes, right size); rejected clients wait Retry-After (<= 1 s).  ",
+        f"In-process limit: **{limit.images_per_s:.1f} images/s** "
+        f"(best batch {limit.best_batch}; images/s by batch {by_batch}).  ",
+        f"imgserve: {settings or 'defaults'}.",
+        "",
+        "| users | baseline /s | plain LitServe /s | imgserve /s "
+        "| imgserve/limit | imgserve/baseline | imgserve/plain |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for users in plan.concurrencies:
+        base, plain, ours = (by_key[name, users].result.rps for name in (BASELINE, PLAIN, IMGSERVE))
+        lines.append(
+            f"| {label[users]} | {base:.1f} | {plain:.1f} | {ours:.1f} | {_ratio(ours, limit.images_per_s)} "
+            f"| {_ratio(ours, base)} | {_ratio(ours, plain)} |"
+        )
+    with_gpu = any(c.peak_gpu_bytes is not None for c in cells)
+    lines += [
+        "",
+        "| server | users | answers/s | p50 ms | p99 ms | answered | shed 503/504 | failed | peak RSS MiB"
+        + (" | peak GPU MiB |" if with_gpu else " |"),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if with_gpu else ""),
+    ]
+    for cell in cells:
+        r = cell.result
+        row = (
+            f"| {cell.server} | {label[r.users]} | {r.rps:.1f} | {_ms(r.latency_ms(0.5))} | {_ms(r.latency_ms(0.99))} "
+            f"| {len(r.answered)} | {r.shed} | {r.failed} | {cell.peak_rss_bytes / 2**20:.0f} |"
+        )
+        if with_gpu:
+            row += f" {(cell.peak_gpu_bytes or 0) / 2**20:.0f} |"
+        lines.append(row)
+    errors = sorted({e for c in cells for e in c.result.errors()})
+    lines += ["", "Targets (measured):", *_targets(plan, limit, by_key)]
+    if errors:
+        lines += ["", "Failures seen:", *(f"- `{e}`" for e in errors[:10])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtests.bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short cells at 1 and 20 users (+10x): a smoke run")
+    parser.add_argument("--out", type=Path, default=Path("loadtests/results/bench.md"), help="markdown report")
+    args = parser.parse_args(argv)
+    plan = Plan.make(args.quick)
+    print(f"in-process limit ({plan.limit_seconds:g} s per batch size)...", flush=True)
+    limit = measure_limit(plan.batch_sizes, plan.limit_seconds)
+    cells, info = [], {}
+    with tempfile.TemporaryDirectory(prefix="imgserve-bench-") as logs:
+        for contender in CONTENDERS:
+            print(f"{contender.name}:", flush=True)
+            server_cells, server_info = bench_server(contender, plan, Path(logs))
+            cells += server_cells
+            if contender.name == IMGSERVE:
+                info = server_info
+    command = shlex.join(["python", "-m", "loadtests.bench", *(argv if argv is not None else sys.argv[1:])])
+    report = render(plan, limit, cells, info, command, machine())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report)
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

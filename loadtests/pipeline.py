@@ -1,0 +1,47 @@
+"""The per-image work every contender does, from the same code: imgserve's codec and the built-in model.
+
+The in-process limit, the FastAPI baseline and the plain LitServe API all load the model and
+decode/encode through here, so the benchmark compares serving designs, not codecs or models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from service import codec
+from service.batching import BatchRunner
+from service.config import BUILTIN_MODEL, Settings
+from service.models.loader import load_model
+
+DEFAULTS = Settings()
+
+
+def best_device() -> str:
+    """cuda when torch sees a GPU, else cpu (what imgserve's device=auto picks)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def load_denoiser(device: str) -> torch.nn.Module:
+    """The built-in denoiser, in eval mode on `device`."""
+    return load_model(BUILTIN_MODEL).to(device).eval()
+
+
+def decode(data: bytes) -> torch.Tensor:
+    """Upload bytes -> 3xHxW float tensor, with imgserve's strict decoder and limits."""
+    return codec.to_tensor(codec.decode_image(data, DEFAULTS.max_image_pixels))
+
+
+def forward(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """One model call on a NxCxHxW batch under inference mode; the result comes back on the CPU."""
+    with torch.inference_mode():
+        return model(batch.to(next(model.parameters()).device)).cpu()
+
+
+def encode(output: torch.Tensor) -> bytes:
+    """3xHxW output -> JPEG bytes at imgserve's default quality."""
+    return codec.encode_image(codec.from_tensor(output), "jpeg", DEFAULTS.jpeg_quality)
+
+
+def padded_batcher(model: torch.nn.Module, device: str) -> BatchRunner:
+    """imgserve's own batcher (mixed sizes padded together), run in-process: list of 3xHxW -> list of outputs."""
+    return BatchRunner(model, torch.device(device), DEFAULTS.precision, DEFAULTS.pad_mixed_sizes, on_oom=lambda: None)

@@ -1,0 +1,162 @@
+"""Start a server command on 127.0.0.1, wait until it is ready, watch its memory, and always kill its process tree."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    """A TCP port the OS says is free on loopback."""
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+def imgserve_command(port: int) -> list[str]:
+    """`imgserve serve` on loopback; settings come from IMGSERVE_* in the environment."""
+    return [sys.executable, "-m", "service.cli", "serve", "--host", LOOPBACK, "--port", str(port)]
+
+
+@dataclass
+class RunningServer:
+    """A server process started by `running_server`: its URL, process and log file."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def tree(self) -> list[psutil.Process]:
+        """The server's main process and every process below it."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            main = psutil.Process(self.process.pid)
+            return [main, *main.children(recursive=True)]
+        return []
+
+
+def wait_ready(server: RunningServer, ready_path: str, timeout_s: float) -> None:
+    """Poll `ready_path` until 200; raise with the server's log if it exits or takes longer than `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log_tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(server.url + ready_path, timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"server not ready after {timeout_s:.0f}s:\n{server.log_tail()}")
+
+
+def stop(server: RunningServer, grace_s: float = 15) -> None:
+    """SIGINT (LitServe's clean shutdown), then SIGKILL whatever is left of the process tree."""
+    tree = server.tree()
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.process.wait(timeout=grace_s)
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.process.pid, signal.SIGKILL)
+    server.process.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def running_server(
+    command: list[str],
+    port: int,
+    log_path: Path,
+    ready_path: str,
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 180,
+) -> Iterator[RunningServer]:
+    """Run `command` (which must listen on 127.0.0.1:`port`) until the block ends; yields once it is ready."""
+    environment = {**os.environ, **(env or {})}
+    environment.pop("PROMETHEUS_MULTIPROC_DIR", None)  # each imgserve makes and wipes its own
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            command, env=environment, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    server = RunningServer(f"http://{LOOPBACK}:{port}", process, log_path)
+    try:
+        wait_ready(server, ready_path, ready_timeout_s)
+        yield server
+    finally:
+        stop(server)
+
+
+@dataclass
+class ResourceSampler:
+    """Samples a server's process-tree RSS (and its GPU memory, where nvidia-smi exists) until stopped; keeps peaks."""
+
+    server: RunningServer
+    interval_s: float = 0.25
+    peak_rss_bytes: int = 0
+    peak_gpu_bytes: int | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> ResourceSampler:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            tree = self.server.tree()
+            rss = 0
+            for process in tree:
+                with contextlib.suppress(psutil.Error):
+                    rss += process.memory_info().rss
+            self.peak_rss_bytes = max(self.peak_rss_bytes, rss)
+            gpu = gpu_memory_bytes({p.pid for p in tree})
+            if gpu is not None:
+                self.peak_gpu_bytes = max(self.peak_gpu_bytes or 0, gpu)
+            self._stop.wait(self.interval_s)
+
+
+def gpu_memory_bytes(pids: set[int]) -> int | None:
+    """GPU memory the given processes hold, from nvidia-smi; None without a GPU."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout
+    except (subprocess.SubprocessError, OSError):
+        return None
+    rows = [line.split(",") for line in out.splitlines() if line.strip()]
+    ours = [int(used) for pid, used in rows if int(pid) in pids]
+    if ours or not rows:
+        return sum(ours) * 2**20
+    # In a container nvidia-smi shows host PIDs: count every compute process (the device is ours alone).
+    return sum(int(used) for _, used in rows) * 2**20

@@ -1,0 +1,86 @@
+"""Memory-bounded batching on the CPU: chunk planning, results equal to one-by-one runs, OOM split and isolation."""
+
+from __future__ import annotations
+
+import torch
+
+from service.batching import BatchRunner, MemoryPlan, plan_chunks
+from service.errors import ApiError
+from service.models.denoiser import build_denoiser
+
+SIZES = [(32, 40), (32, 40), (24, 24), (64, 48), (24, 24), (40, 32)]
+
+
+def runner(pad: bool, model=None, on_oom=lambda: None) -> BatchRunner:
+    return BatchRunner(model or build_denoiser(), torch.device("cpu"), "fp32", pad, on_oom)
+
+
+def images() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.rand(3, h, w, generator=generator) for h, w in SIZES]
+
+
+def test_chunks_respect_pixel_budget_and_same_size_mode() -> None:
+    for chunk in plan_chunks(SIZES, pixel_budget=4000, max_waste=2.0):
+        height = max(SIZES[i][0] for i in chunk)
+        width = max(SIZES[i][1] for i in chunk)
+        assert len(chunk) == 1 or len(chunk) * height * width <= 4000
+    same = plan_chunks(SIZES, pixel_budget=10**9, max_waste=1.0)
+    assert sorted(sorted(c) for c in same) == [[0, 1], [2, 4], [3], [5]]
+    assert sorted(i for chunk in plan_chunks(SIZES, 10**9, 2.0) for i in chunk) == list(range(len(SIZES)))
+
+
+def test_same_size_batches_equal_single_runs() -> None:
+    batch = runner(pad=False)(images())
+    for image, output in zip(images(), batch, strict=True):
+        single = runner(pad=False)([image])[0]
+        assert output.shape == image.shape
+        torch.testing.assert_close(output, single, atol=1e-5, rtol=0)
+
+
+def test_padded_batches_match_away_from_the_padded_edges() -> None:
+    batch = runner(pad=True)(images())
+    for image, output in zip(images(), batch, strict=True):
+        single = runner(pad=False)([image])[0]
+        assert output.shape == image.shape
+        margin = 6  # the 5-layer model's receptive-field radius, plus one
+        torch.testing.assert_close(output[:, :-margin, :-margin], single[:, :-margin, :-margin], atol=1e-4, rtol=0)
+
+
+class _OutOfMemoryAboveOne(torch.nn.Module):
+    """SIMULATED out-of-memory on the CPU: raises torch.OutOfMemoryError for batches of more than one image."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 1:
+            raise torch.OutOfMemoryError("simulated")
+        return x
+
+
+def test_out_of_memory_splits_down_to_single_images() -> None:
+    splits = []
+    batch_runner = runner(pad=True, model=_OutOfMemoryAboveOne(), on_oom=lambda: splits.append(1))
+    outputs = batch_runner(images())
+    assert all(isinstance(o, torch.Tensor) for o in outputs)
+    assert len(splits) >= 3
+
+
+def test_memory_plan_scales_batch_with_image_size() -> None:
+    plan = MemoryPlan(bytes_per_pixel=100.0, budget_bytes=100 * 1_000_000)
+    assert plan.pixel_budget == 1_000_000
+    assert plan.batch_size_at(250_000) == 4
+    assert plan.batch_size_at(4_000_000) == 1
+    measured = runner(pad=False).measure(0.5)
+    assert measured.bytes_per_pixel >= 2 * 3 * 4  # at least the fp32 input and output
+    assert measured.pixel_budget > 0
+
+
+def test_a_failing_image_fails_alone() -> None:
+    class FailsOnTall(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[-2] >= 64:
+                raise ValueError("too tall")
+            return x
+
+    outputs = runner(pad=True, model=FailsOnTall())(images())
+    failed = [i for i, o in enumerate(outputs) if isinstance(o, ApiError)]
+    assert failed == [3] and outputs[3].status == 500

@@ -1,0 +1,74 @@
+"""Decoding of untrusted uploads: every mode Pillow can hand us becomes upright 8-bit RGB, or a clear ApiError."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from service.codec import choose_format, decode_image, encode_image
+from service.errors import ApiError
+
+LIMIT = 10_000_000
+
+
+def encode(image: Image.Image, fmt: str, **options: object) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **options)
+    return buffer.getvalue()
+
+
+def test_exif_orientation_is_applied() -> None:
+    image = Image.new("RGB", (40, 20), "red")
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    assert decode_image(encode(image, "JPEG", exif=exif), LIMIT).shape == (40, 20, 3)
+
+
+def test_alpha_is_composited_over_white() -> None:
+    transparent = Image.new("RGBA", (8, 8), (255, 0, 0, 0))
+    assert (decode_image(encode(transparent, "PNG"), LIMIT) == 255).all()
+
+
+@pytest.mark.parametrize(("mode", "fmt"), [("L", "PNG"), ("CMYK", "JPEG"), ("P", "GIF"), ("LA", "PNG")])
+def test_other_modes_become_rgb(mode: str, fmt: str) -> None:
+    pixels = decode_image(encode(Image.new("RGB", (10, 6), (10, 200, 30)).convert(mode), fmt), LIMIT)
+    assert pixels.shape == (6, 10, 3) and pixels.dtype == np.uint8
+
+
+def test_16_bit_is_scaled_not_clipped() -> None:
+    wide = Image.fromarray(np.full((4, 4), 65535, dtype=np.uint16))
+    pixels = decode_image(encode(wide, "PNG"), LIMIT)
+    assert pixels.min() == 255
+
+
+def test_animated_gives_first_frame() -> None:
+    frames = [Image.new("RGB", (8, 8), colour) for colour in ("blue", "yellow")]
+    data = encode(frames[0], "GIF", save_all=True, append_images=frames[1:])
+    pixels = decode_image(data, LIMIT)
+    assert pixels[0, 0, 2] > 200 and pixels[0, 0, 0] < 50
+
+
+def test_pixel_limit_is_checked_before_decoding() -> None:
+    with pytest.raises(ApiError) as error:
+        decode_image(encode(Image.new("RGB", (100, 100)), "PNG"), max_pixels=9_999)
+    assert (error.value.status, error.value.code) == (413, "image_too_large")
+
+
+def test_resize_to_input_size() -> None:
+    assert decode_image(encode(Image.new("RGB", (30, 10)), "PNG"), LIMIT, size=16).shape == (16, 16, 3)
+
+
+@pytest.mark.parametrize("fmt", ["jpeg", "png", "webp"])
+def test_encode_round_trip(fmt: str) -> None:
+    pixels = np.zeros((5, 7, 3), dtype=np.uint8)
+    image = Image.open(io.BytesIO(encode_image(pixels, fmt, 90)))
+    assert (image.format.lower(), image.size) == (fmt, (7, 5))
+
+
+def test_choose_format() -> None:
+    assert choose_format("png", "image/webp", "jpeg") == "png"
+    assert choose_format(None, "image/webp;q=0.8, image/png", "jpeg") == "webp"
+    assert choose_format(None, "application/json", "jpeg") == "jpeg"

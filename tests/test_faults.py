@@ -1,0 +1,190 @@
+"""Overload and faults with real processes: flood, deadlines, SIGTERM drain, kill -9 of a worker, bad models, OOM."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from serving import image_bytes, running_server, start_server, stop_server, wait_ready
+
+from loadtests.closed_loop import run_closed_loop
+
+PNG = {"Content-Type": "image/png"}
+
+
+def _white_png() -> bytes:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (12, 10), "white").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+WHITE = _white_png()
+
+
+def test_flood_sheds_with_503_and_answers_everything(tmp_path) -> None:
+    """Ten times more users than the queue holds: every request is a 200 or an explicit 503, none hang or error."""
+    with running_server(tmp_path, max_batch_size=4, max_queue_depth=8, batch_timeout_ms=5) as server:
+        at_capacity = run_closed_loop(f"{server.url}/predict", users=8, seconds=3)
+        flood = run_closed_loop(f"{server.url}/predict", users=80, seconds=4)
+        assert flood.failed == 0, flood.errors()
+        assert {o.status for o in flood.outcomes} == {200, 503}
+        assert len(flood.outcomes) == len(flood.answered) + flood.shed
+        assert server.metric("imgserve_rejected_total", reason="queue_full") >= flood.shed
+        # The queue bound holds latency: the flood's accepted p99 stays near the p99 at capacity.
+        assert flood.latency_ms(0.99) < 2 * at_capacity.latency_ms(0.99)
+        assert server.metric("imgserve_queue_depth") == 0
+
+
+def test_deadline_passed_in_queue_is_504_and_never_computed(tmp_path, toy_model) -> None:
+    os.environ["TOY_DELAY_S"] = "1.0"
+    with running_server(tmp_path, max_batch_size=1, batch_timeout_ms=0, **toy_model("Slow")) as server:
+        images_before = server.metric("imgserve_batch_size_sum")
+
+        async def scenario() -> tuple[httpx.Response, httpx.Response]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                first = asyncio.create_task(
+                    client.post(f"{server.url}/predict", content=image_bytes(8, 8), headers=PNG)
+                )
+                await asyncio.sleep(0.3)
+                late = asyncio.create_task(
+                    client.post(
+                        f"{server.url}/predict", content=image_bytes(9, 9), headers={**PNG, "X-Request-Timeout": "0.3"}
+                    )
+                )
+                return await first, await late
+
+        first, late = asyncio.run(scenario())
+        assert first.status_code == 200
+        assert (late.status_code, late.json()["error"]["code"]) == (504, "deadline")
+        time.sleep(1.5)  # let the worker reach the expired request
+        assert server.metric("imgserve_batch_size_sum") - images_before == 1, "the expired request was computed"
+        assert server.metric("imgserve_rejected_total", reason="deadline") >= 1
+
+
+def test_predict_running_past_the_deadline_does_not_hang_its_client(tmp_path, toy_model) -> None:
+    os.environ["TOY_DELAY_S"] = "4"
+    with running_server(tmp_path, **toy_model("Slow")) as server:
+        started = time.perf_counter()
+        response = httpx.post(
+            f"{server.url}/predict", content=image_bytes(8, 8), headers={**PNG, "X-Request-Timeout": "1"}, timeout=30
+        )
+        assert response.status_code == 504
+        assert time.perf_counter() - started < 3
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path, toy_model) -> None:
+    os.environ["TOY_DELAY_S"] = "0.7"
+    server = start_server(
+        {"max_batch_size": 1, "batch_timeout_ms": 0, "drain_timeout_s": 20, **toy_model("Slow")}, tmp_path
+    )
+    try:
+        wait_ready(server)
+        children = server.descendants()
+        assert children
+
+        async def scenario() -> tuple[list[int], int, int]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                in_flight = [
+                    asyncio.create_task(client.post(f"{server.url}/predict", content=image_bytes(8, 8), headers=PNG))
+                    for _ in range(4)
+                ]
+                await asyncio.sleep(0.3)
+                server.process.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                ready = (await client.get(f"{server.url}/health/ready")).status_code
+                refused = await client.post(f"{server.url}/predict", content=image_bytes(8, 8), headers=PNG)
+                return [(await task).status_code for task in in_flight], ready, refused.status_code
+
+        answered, ready, refused = asyncio.run(scenario())
+        assert answered == [200, 200, 200, 200]
+        assert (ready, refused) == (503, 503)
+        assert server.process.wait(timeout=30) == 0
+        time.sleep(0.5)
+        orphans = [pid for pid in children if os.path.exists(f"/proc/{pid}") and _state(pid) != "Z"]
+        assert orphans == [], f"processes left behind: {orphans}"
+    finally:
+        stop_server(server)
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_killed_worker_answers_its_requests_and_is_restarted(tmp_path, toy_model) -> None:
+    os.environ["TOY_DELAY_S"] = "3"
+    with running_server(tmp_path, **toy_model("Slow")) as server:
+        [worker] = server.worker_pids()
+
+        async def scenario() -> httpx.Response:
+            async with httpx.AsyncClient(timeout=30) as client:
+                task = asyncio.create_task(client.post(f"{server.url}/predict", content=image_bytes(8, 8), headers=PNG))
+                await asyncio.sleep(1.0)
+                os.kill(worker, signal.SIGKILL)
+                return await task
+
+        started = time.perf_counter()
+        response = asyncio.run(scenario())
+        assert (response.status_code, response.json()["error"]["code"]) == (503, "worker_lost")
+        assert time.perf_counter() - started < 3.0, "the client waited for the dead worker's whole batch"
+        assert httpx.get(f"{server.url}/health/live").status_code == 200
+        wait_ready(server, timeout=60)
+        assert server.worker_pids() != [worker]
+        os.environ["TOY_DELAY_S"] = "3"
+        assert (
+            httpx.post(f"{server.url}/predict", content=image_bytes(8, 8), headers=PNG, timeout=30).status_code == 200
+        )
+        assert server.metric("imgserve_worker_restarts_total") == 1
+
+
+def test_model_error_fails_only_that_request(tmp_path, toy_model) -> None:
+    with running_server(tmp_path, max_batch_size=8, batch_timeout_ms=200, **toy_model("Picky")) as server:
+
+        async def scenario() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                bodies = [WHITE, image_bytes(14, 10), image_bytes(20, 10), WHITE, image_bytes(30, 10)]
+                return await asyncio.gather(
+                    *(client.post(f"{server.url}/predict", content=body, headers=PNG) for body in bodies)
+                )
+
+        statuses = [r.status_code for r in asyncio.run(scenario())]
+        assert statuses == [500, 200, 200, 500, 200]
+        assert server.metric("imgserve_batch_size_count") < 5, "the requests were not batched together"
+
+
+def test_out_of_memory_splits_the_batch_and_retries(tmp_path, toy_model) -> None:
+    """Uses a model that SIMULATES CUDA OOM on the CPU above batch size 2."""
+    settings = {"max_batch_size": 8, "batch_timeout_ms": 200, "pad_mixed_sizes": "true"}
+    with running_server(tmp_path, **settings, **toy_model("OutOfMemoryAboveTwo")) as server:
+        result = run_closed_loop(f"{server.url}/predict", users=8, seconds=2)
+        assert result.failed == 0 and result.shed == 0, result.errors()
+        assert server.metric("imgserve_oom_splits_total") >= 1
+        assert httpx.get(f"{server.url}/health/ready").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"model": "/nonexistent/model.pt"}, "model file not found"),
+        ({"model": __file__}, "unknown model format"),
+        ({"model_factory": "toy_models:BrokenWarmup"}, "failed warm-up"),
+    ],
+)
+def test_unloadable_model_exits_with_a_clear_error(tmp_path, toy_model, settings: dict, message: str) -> None:
+    if settings.get("model_factory"):
+        settings = toy_model("BrokenWarmup")
+    server = start_server(settings, tmp_path)
+    try:
+        assert server.process.wait(timeout=90) == 2
+        assert message in server.log()
+    finally:
+        stop_server(server)

@@ -1,0 +1,69 @@
+"""Small models built by a `--model-factory` in the tests: each exercises one failure or output kind.
+
+The out-of-memory model only SIMULATES a CUDA OOM on the CPU (there is no GPU here) by raising
+torch.OutOfMemoryError above a batch size.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+from torch import nn
+
+
+class _Toy(nn.Module):
+    """Identity on images, with one parameter so it has a state dict to save."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+class Slow(_Toy):
+    """Sleeps TOY_DELAY_S per batch: makes queues, deadlines and drains observable."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(float(os.environ.get("TOY_DELAY_S", "0.5")))
+        return super().forward(x)
+
+
+class Picky(_Toy):
+    """Raises when any image of the batch is all white, works on the rest."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if bool((x.flatten(1).min(dim=1).values > 0.99).any()):
+            raise ValueError("cannot handle a white image")
+        return super().forward(x)
+
+
+class OutOfMemoryAboveTwo(_Toy):
+    """SIMULATED out-of-memory: raises torch.OutOfMemoryError for batches of more than two images."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > 2:
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        time.sleep(0.05)
+        return super().forward(x)
+
+
+class BrokenWarmup(_Toy):
+    """Fails on every call, so the server must refuse to start."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this model is broken")
+
+
+class TinyClassifier(nn.Module):
+    """Four classes from the mean colour: a non-image output answered as JSON top-k."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(3, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x.mean(dim=(2, 3)))
