@@ -37,8 +37,8 @@ $(TOOLS)/prometheus:
 	ln -sf /usr/bin/prometheus $(TOOLS)/prometheus && ln -sf /usr/bin/promtool $(TOOLS)/promtool
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check service tests loadtests
-	$(BIN)/ruff format --check service tests loadtests
+	$(BIN)/ruff check service tests loadtests charts/imgserve/dashboards
+	$(BIN)/ruff format --check service tests loadtests charts/imgserve/dashboards
 
 test: $(VENV)/.installed tools lint
 	$(BIN)/pytest -q
