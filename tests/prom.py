@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from tools import tool
 
 REPO = Path(__file__).resolve().parent.parent
 CHART = REPO / "charts" / "imgserve"
@@ -172,7 +172,7 @@ def adapter_queries(label_matchers: str) -> list[Query]:
 
 def helm_template(values: Path, namespace: str) -> list[dict]:
     """The chart rendered with one values file, as parsed documents."""
-    helm = shutil.which("helm") or str(REPO / ".tools" / "bin" / "helm")
+    helm = tool("helm")
     out = subprocess.run(
         [helm, "template", "imgserve", str(CHART), "-f", str(values), "--namespace", namespace],
         capture_output=True,

@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import yaml
 from prom import CONTRACT_METRICS, RULE_TESTS, RULES, alert_rules, metric_names, split_threshold
+from tools import tool
 
-PROMTOOL = shutil.which("promtool") or "/usr/bin/promtool"
 REQUIRED_ANNOTATIONS = {"summary", "description", "runbook"}
 
 
 def promtool(*args: str) -> subprocess.CompletedProcess[str]:
     """Run promtool; its verdict is in returncode, its explanation in stdout + stderr."""
-    return subprocess.run([PROMTOOL, *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([tool("promtool"), *args], capture_output=True, text=True, timeout=60)
 
 
 def test_promtool_check_rules() -> None:

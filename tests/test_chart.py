@@ -8,7 +8,6 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 from serving import REPO, TESTS, Server
+from tools import tool
 
 CHART = REPO / "charts" / "imgserve"
 VALUES = TESTS / "chart_values"
@@ -32,14 +32,6 @@ AUTOSCALED = ["hpa", "keda", "keda-dcgm", "scale-to-zero"]
 POD_SELECTOR = f'namespace="{NAMESPACE}",pod=~"{RELEASE}-.*"'
 
 Manifest = dict[str, Any]
-
-
-def tool(name: str) -> str:
-    """Path of a command-line tool, or a clear failure saying how to get it."""
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"`{name}` is not on PATH: run `make tools` and put .tools/bin on PATH (the Makefile does)")
-    return path
 
 
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

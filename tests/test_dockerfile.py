@@ -6,27 +6,18 @@ from __future__ import annotations
 import functools
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
-import pytest
 import yaml
 from serving import REPO
+from tools import tool
 
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 CHART_VALUES = REPO / "charts" / "imgserve" / "values.yaml"
 
 Instruction = tuple[str, str]
-
-
-def tool(name: str) -> str:
-    """Path of a linter, or a clear failure saying how to get it."""
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"`{name}` is not on PATH: install the test extras (`make test` does: pip install -e '.[test]')")
-    return path
 
 
 @functools.cache

@@ -37,11 +37,11 @@ from prom import (
 )
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
 from serving import Server, image_bytes, running_server
+from tools import tool
 
 from loadtests.servers import LOOPBACK, free_port
 from loadtests.servers import running_server as running_process
 
-PROMETHEUS = "/usr/bin/prometheus"
 NAMESPACE = "imgserve-test"
 POD = "imgserve-abc12-xyz"
 POD_LABELS = {"namespace": NAMESPACE, "pod": POD, "service": "imgserve"}
@@ -142,7 +142,7 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory, imgserve: Server, stand
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     command = [
-        PROMETHEUS,
+        tool("prometheus"),
         f"--config.file={workdir / 'prometheus.yml'}",
         f"--storage.tsdb.path={workdir / 'data'}",
         f"--web.listen-address={LOOPBACK}:{port}",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from serving import REPO
+
 from service.config import Settings
 
 README = (REPO / "README.md").read_text()
