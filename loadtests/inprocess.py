@@ -29,7 +29,7 @@ class Limit:
 def measure_limit(batch_sizes: tuple[int, ...] = BATCH_SIZES, seconds: float = 3.0, max_batches: int = 10_000) -> Limit:
     """Run the whole per-image pipeline over the test images for `seconds` (or `max_batches`) per batch size."""
     device = pipeline.best_device()
-    batcher = pipeline.padded_batcher(pipeline.load_denoiser(device), device)
+    batcher = pipeline.batcher(pipeline.load_denoiser(device), device)
     images = sample_images()
 
     def one_batch(first: int, size: int) -> None:

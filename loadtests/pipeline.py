@@ -42,6 +42,9 @@ def encode(output: torch.Tensor) -> bytes:
     return codec.encode_image(codec.from_tensor(output), "jpeg", DEFAULTS.jpeg_quality)
 
 
-def padded_batcher(model: torch.nn.Module, device: str) -> BatchRunner:
-    """imgserve's own batcher (mixed sizes padded together), run in-process: list of 3xHxW -> list of outputs."""
-    return BatchRunner(model, torch.device(device), DEFAULTS.precision, DEFAULTS.pad_mixed_sizes, on_oom=lambda: None)
+def batcher(model: torch.nn.Module, device: str) -> BatchRunner:
+    """imgserve's own batcher with its default padding choice for `device`, run in-process: 3xHxW list -> outputs."""
+    torch_device = torch.device(device)
+    return BatchRunner(
+        model, torch_device, DEFAULTS.precision, DEFAULTS.pads_on(torch_device.type), on_oom=lambda: None
+    )

@@ -22,13 +22,6 @@ from service.state import SharedState
 log = logging.getLogger(__name__)
 
 
-def _pads(settings: Settings, device: torch.device) -> bool:
-    """Padding mixed sizes pays on a GPU (a bigger batch is nearly free); on a CPU it only adds pixels to compute."""
-    if settings.pad_mixed_sizes == "auto":
-        return device.type == "cuda"
-    return settings.pad_mixed_sizes == "true"
-
-
 class ImageAPI(ls.LitAPI):
     """Images in (already decoded and validated by the HTTP front end), one result or ApiError per image out."""
 
@@ -44,7 +37,7 @@ class ImageAPI(ls.LitAPI):
         if isinstance(model, torch.nn.Module):
             model = model.to(torch_device)  # the loader already set eval mode (torch.export programs refuse eval())
         self.runner = BatchRunner(
-            model, torch_device, settings.precision, _pads(settings, torch_device), on_oom=metrics.OOM_SPLITS.inc
+            model, torch_device, settings.precision, settings.pads_on(torch_device.type), on_oom=metrics.OOM_SPLITS.inc
         )
         try:
             memory = self.runner.measure(settings.gpu_memory_fraction)

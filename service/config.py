@@ -42,7 +42,7 @@ class Settings(BaseSettings):
         description="Most images in one model call; auto measures memory at warm-up and picks the largest that fits.",
     )
     batch_timeout_ms: float = Field(5.0, ge=0, description="How long a batch waits to fill up.")
-    pad_mixed_sizes: Literal["auto", "true", "false"] = Field(
+    pad_mixed_sizes: bool | Literal["auto"] = Field(
         "auto",
         description="Batch different sizes by padding (edge pixels may differ slightly); auto = on GPU only.",
     )
@@ -73,6 +73,10 @@ class Settings(BaseSettings):
 
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log verbosity.")
     access_log: bool = Field(False, description="Log every HTTP request (costs front-end CPU under load).")
+
+    def pads_on(self, device_type: str) -> bool:
+        """Padding mixed sizes pays on a GPU (a bigger batch is nearly free); on a CPU it only adds pixels."""
+        return device_type == "cuda" if self.pad_mixed_sizes == "auto" else self.pad_mixed_sizes
 
     @field_validator("max_batch_size", mode="before")
     @classmethod
