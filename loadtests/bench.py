@@ -16,6 +16,7 @@ import os
 import shlex
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +61,7 @@ class Cell:
     result: LoadResult
     peak_rss_bytes: int
     peak_gpu_bytes: int | None
+    client_cores: float  # CPU the load generator itself used: it shares the machine with the server
 
 
 @dataclass(frozen=True)
@@ -93,11 +95,13 @@ def bench_server(contender: Contender, plan: Plan, log_dir: Path) -> tuple[list[
             info = httpx.get(server.url + "/info", timeout=5).json()
         url = server.url + "/predict"
         run_closed_loop(url, users=4, seconds=plan.warmup_s)
-        cells = []
+        cells, client = [], psutil.Process()
         for users in plan.concurrencies:
+            cpu_before, started = sum(client.cpu_times()[:2]), time.perf_counter()
             with ResourceSampler(server) as sampler:
                 result = run_closed_loop(url, users, plan.seconds, plan.warmup_s)
-            cells.append(Cell(contender.name, result, sampler.peak_rss_bytes, sampler.peak_gpu_bytes))
+            cores = (sum(client.cpu_times()[:2]) - cpu_before) / (time.perf_counter() - started)
+            cells.append(Cell(contender.name, result, sampler.peak_rss_bytes, sampler.peak_gpu_bytes, cores))
             print(f"  {contender.name:17s} users {users:4d}: {_summary(cells[-1])}", flush=True)
     return cells, info
 
@@ -164,7 +168,7 @@ def _targets(plan: Plan, limit: Limit, by_key: dict[tuple[str, int], Cell]) -> l
     return lines
 
 
-def render(plan: Plan, limit: Limit, cells: list[Cell], info: dict, command: str, host: str) -> str:
+def render(plan: Plan, limit: Limit, nchw: Limit, cells: list[Cell], info: dict, command: str, host: str) -> str:
     """The markdown report: setup, throughput with ratios, latency/errors/memory per cell, targets."""
     by_key = {(c.server, c.result.users): c for c in cells}
     by_batch = ", ".join(f"{b}: {v:.1f}" for b, v in limit.by_batch.items())
@@ -181,7 +185,8 @@ def render(plan: Plan, limit: Limit, cells: list[Cell], info: dict, command: str
         f"after {plan.warmup_s:g} s warm-up, 8 mixed-size images (64x64 to 192x192, JPEG/PNG) as multipart, "
         "JPEG answers checked (decodes, right size); rejected clients wait Retry-After (<= 1 s).  ",
         f"In-process limit: **{limit.images_per_s:.1f} images/s** "
-        f"(best batch {limit.best_batch}; images/s by batch {by_batch}).  ",
+        f"(best batch {limit.best_batch}; images/s by batch {by_batch}); the same in NCHW memory, as the baseline "
+        f"and plain LitServe run the model: {nchw.images_per_s:.1f} images/s at batch {nchw.best_batch}.  ",
         f"imgserve: {settings or 'defaults'}.",
         "",
         "| users | baseline /s | plain LitServe /s | imgserve /s "
@@ -197,15 +202,16 @@ def render(plan: Plan, limit: Limit, cells: list[Cell], info: dict, command: str
     with_gpu = any(c.peak_gpu_bytes is not None for c in cells)
     lines += [
         "",
-        "| server | users | answers/s | p50 ms | p99 ms | answered | shed 503/504 | failed | peak RSS MiB"
-        + (" | peak GPU MiB |" if with_gpu else " |"),
-        "|---|---|---|---|---|---|---|---|---|" + ("---|" if with_gpu else ""),
+        "| server | users | answers/s | p50 ms | p99 ms | answered | shed 503/504 | failed | client CPU cores "
+        "| peak RSS MiB" + (" | peak GPU MiB |" if with_gpu else " |"),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if with_gpu else ""),
     ]
     for cell in cells:
         r = cell.result
         row = (
             f"| {cell.server} | {label[r.users]} | {r.rps:.1f} | {_ms(r.latency_ms(0.5))} | {_ms(r.latency_ms(0.99))} "
-            f"| {len(r.answered)} | {r.shed} | {r.failed} | {cell.peak_rss_bytes / 2**20:.0f} |"
+            f"| {len(r.answered)} | {r.shed} | {r.failed} | {cell.client_cores:.2f} "
+            f"| {cell.peak_rss_bytes / 2**20:.0f} |"
         )
         if with_gpu:
             row += f" {(cell.peak_gpu_bytes or 0) / 2**20:.0f} |"
@@ -225,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan.make(args.quick)
     print(f"in-process limit ({plan.limit_seconds:g} s per batch size)...", flush=True)
     limit = measure_limit(plan.batch_sizes, plan.limit_seconds)
+    nchw = measure_limit((limit.best_batch,), plan.limit_seconds, channels_last=False)
     cells, info = [], {}
     with tempfile.TemporaryDirectory(prefix="imgserve-bench-") as logs:
         for contender in CONTENDERS:
@@ -234,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             if contender.name == IMGSERVE:
                 info = server_info
     command = shlex.join(["python", "-m", "loadtests.bench", *(argv if argv is not None else sys.argv[1:])])
-    report = render(plan, limit, cells, info, command, machine())
+    report = render(plan, limit, nchw, cells, info, command, machine())
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report)
     print(report)

@@ -26,10 +26,18 @@ class Limit:
         return self.by_batch[self.best_batch]
 
 
-def measure_limit(batch_sizes: tuple[int, ...] = BATCH_SIZES, seconds: float = 3.0, max_batches: int = 10_000) -> Limit:
-    """Run the whole per-image pipeline over the test images for `seconds` (or `max_batches`) per batch size."""
+def measure_limit(
+    batch_sizes: tuple[int, ...] = BATCH_SIZES,
+    seconds: float = 3.0,
+    max_batches: int = 10_000,
+    channels_last: bool = pipeline.DEFAULTS.channels_last,
+) -> Limit:
+    """Run the whole per-image pipeline over the test images for `seconds` (or `max_batches`) per batch size.
+
+    channels_last=False runs the model in PyTorch's default NCHW memory, as the baseline and plain LitServe do.
+    """
     device = pipeline.best_device()
-    batcher = pipeline.batcher(pipeline.load_denoiser(device), device)
+    batcher = pipeline.batcher(pipeline.load_denoiser(device), device, channels_last)
     images = sample_images()
 
     def one_batch(first: int, size: int) -> None:

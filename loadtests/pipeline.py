@@ -42,9 +42,7 @@ def encode(output: torch.Tensor) -> bytes:
     return codec.encode_image(codec.from_tensor(output), "jpeg", DEFAULTS.jpeg_quality)
 
 
-def batcher(model: torch.nn.Module, device: str) -> BatchRunner:
-    """imgserve's own batcher with its default padding choice for `device`, run in-process: 3xHxW list -> outputs."""
-    torch_device = torch.device(device)
-    return BatchRunner(
-        model, torch_device, DEFAULTS.precision, DEFAULTS.pads_on(torch_device.type), on_oom=lambda: None
-    )
+def batcher(model: torch.nn.Module, device: str, channels_last: bool = DEFAULTS.channels_last) -> BatchRunner:
+    """imgserve's own batcher with its default settings for `device`, run in-process: 3xHxW list -> outputs."""
+    settings = DEFAULTS.model_copy(update={"channels_last": channels_last})
+    return BatchRunner.for_settings(model, torch.device(device), settings)

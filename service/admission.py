@@ -6,6 +6,7 @@ It runs before the body is read, so an overloaded pod answers 503 at once instea
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -25,7 +26,7 @@ def queue_bound(settings: Settings, workers: int, batch_size: int) -> int:
 class AdmissionMiddleware:
     """Admit a predict request only while the pod has room; stamp its deadline; count it out when answered."""
 
-    def __init__(self, app: ASGIApp, state: SharedState, settings: Settings, limit: int) -> None:
+    def __init__(self, app: ASGIApp, state: SharedState, settings: Settings, limit: Callable[[], int]) -> None:
         self.app, self.state, self.settings, self.limit = app, state, settings, limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -38,8 +39,9 @@ class AdmissionMiddleware:
             return await error.response()(scope, receive, send)
         if self.state.draining:
             return await self._shed(scope, receive, send, "draining", "the server is shutting down")
-        if not self.state.try_admit(self.limit):
-            return await self._shed(scope, receive, send, "queue_full", f"the queue is full ({self.limit} requests)")
+        limit = self.limit()
+        if not self.state.try_admit(limit):
+            return await self._shed(scope, receive, send, "queue_full", f"the queue is full ({limit} requests)")
         scope.setdefault("state", {})["deadline"] = deadline
         try:
             await self.app(scope, self._limited(receive), send)

@@ -25,20 +25,20 @@ log = logging.getLogger(__name__)
 class ImageAPI(ls.LitAPI):
     """Images in (already decoded and validated by the HTTP front end), one result or ApiError per image out."""
 
-    def __init__(self, settings: Settings, state: SharedState, batch_size: int) -> None:
+    def __init__(self, settings: Settings, state: SharedState, batch_size: int, torch_threads: int) -> None:
         super().__init__(max_batch_size=batch_size, batch_timeout=settings.batch_timeout_ms / 1000, loop=BatchedLoop())
-        self.settings, self.state = settings, state
+        self.settings, self.state, self.torch_threads = settings, state, torch_threads
 
     def setup(self, device: str) -> None:
         """Load the model on `device`, warm it up, measure its memory and fix the batch limits."""
         settings = self.settings
+        settings.configure_logging()
         torch_device = torch.device(device)
+        torch.set_num_threads(self.torch_threads)  # the worker's share of the cores: no oversubscription
         model = load_model(settings.model, settings.model_factory, settings.trust_pickle)
         if isinstance(model, torch.nn.Module):
             model = model.to(torch_device)  # the loader already set eval mode (torch.export programs refuse eval())
-        self.runner = BatchRunner(
-            model, torch_device, settings.precision, settings.pads_on(torch_device.type), on_oom=metrics.OOM_SPLITS.inc
-        )
+        self.runner = BatchRunner.for_settings(model, torch_device, settings, on_oom=metrics.OOM_SPLITS.inc)
         try:
             memory = self.runner.measure(settings.gpu_memory_fraction)
         except Exception as exc:
@@ -48,8 +48,9 @@ class ImageAPI(ls.LitAPI):
             self.max_batch_size = memory.batch_size_at(settings.max_image_pixels)
         self.state.set_limits(self.max_batch_size, memory.pixel_budget)
         log.info(
-            "worker ready on %s: %.0f bytes/pixel, pixel budget %d, max batch %d",
+            "worker ready on %s (%d torch threads): %.0f bytes/pixel, pixel budget %d, max batch %d",
             device,
+            torch.get_num_threads(),
             memory.bytes_per_pixel,
             memory.pixel_budget,
             self.max_batch_size,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from service.config import Settings
 from service.errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -64,11 +65,39 @@ class BatchRunner:
     """Runs a model over a list of 3xHxW tensors of any sizes; returns one output (or ApiError) per input."""
 
     def __init__(
-        self, model: Callable, device: torch.device, precision: str, pad: bool, on_oom: Callable[[], None]
+        self,
+        model: Callable,
+        device: torch.device,
+        *,
+        precision: str = "fp32",
+        pad: bool = False,
+        channels_last: bool = False,
+        on_oom: Callable[[], None] = lambda: None,
     ) -> None:
         self.model, self.device, self.precision, self.on_oom = model, device, precision, on_oom
         self.max_waste = MAX_PAD_WASTE if pad else 1.0
         self.memory = MemoryPlan(bytes_per_pixel=1.0, budget_bytes=2**62)
+        self._use_layout(channels_last)
+
+    @classmethod
+    def for_settings(
+        cls, model: Callable, device: torch.device, settings: Settings, on_oom: Callable[[], None] = lambda: None
+    ) -> BatchRunner:
+        """The runner the server uses for `settings` on `device`."""
+        return cls(
+            model,
+            device,
+            precision=settings.precision,
+            pad=settings.pads_on(device.type),
+            channels_last=settings.channels_last,
+            on_oom=on_oom,
+        )
+
+    def _use_layout(self, channels_last: bool) -> None:
+        """NHWC (channels_last) or NCHW memory for the model's weights and every batch."""
+        self.channels_last = channels_last
+        if isinstance(self.model, torch.nn.Module):
+            self.model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
     def __call__(self, images: list[torch.Tensor]) -> list[torch.Tensor | ApiError]:
         results: list[torch.Tensor | ApiError] = [ApiError(500, "no_output", "no output")] * len(images)
@@ -123,8 +152,11 @@ class BatchRunner:
             if self.precision in DTYPES
             else contextlib.nullcontext()
         )
+        batch = batch.to(self.device, non_blocking=True)
+        if self.channels_last:
+            batch = batch.contiguous(memory_format=torch.channels_last)
         with torch.inference_mode(), autocast:
-            output = self.model(batch.to(self.device, non_blocking=True))
+            output = self.model(batch)
         return output.float().cpu()
 
     def measure(self, memory_fraction: float) -> MemoryPlan:
@@ -134,18 +166,29 @@ class BatchRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
-            self.forward(probe)
+            self._first_forward(probe)
             peak = torch.cuda.max_memory_allocated(self.device) - base
             free, _ = torch.cuda.mem_get_info(self.device)
         else:
             base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            self.forward(probe)
+            self._first_forward(probe)
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
             free = _available_ram()
         # Activations cannot be smaller than the input and output themselves.
         floor = 2 * probe.numel() * probe.element_size()
         self.memory = MemoryPlan(max(peak, floor) / PROBE_SIDE**2, int(memory_fraction * free))
         return self.memory
+
+    def _first_forward(self, probe: torch.Tensor) -> None:
+        """The warm-up call; a model that refuses channels_last input (e.g. it .view()s it) falls back to NCHW."""
+        if self.channels_last:
+            try:
+                self.forward(probe)
+                return
+            except Exception as exc:
+                log.warning("the model fails on channels_last input (%s): running it in NCHW", exc)
+                self._use_layout(False)
+        self.forward(probe)
 
 
 def _available_ram() -> int:

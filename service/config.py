@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 BUILTIN_MODEL = "builtin:denoiser"
+MAX_CPU_WORKERS = 4
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def usable_cpus() -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota (a container's CPU limit)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    with contextlib.suppress(OSError, ValueError):
+        quota, period = CGROUP_CPU_MAX.read_text().split()
+        if quota != "max":
+            cpus = min(cpus, max(1, int(quota) // int(period)))
+    return cpus
 
 
 class Settings(BaseSettings):
@@ -36,7 +52,11 @@ class Settings(BaseSettings):
     # Where and how it runs.
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks cuda when a GPU is visible.")
     precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="fp16/bf16 run under autocast.")
-    workers_per_device: int = Field(1, ge=1, description="Inference worker processes per device (one model copy each).")
+    workers_per_device: int | Literal["auto"] = Field(
+        "auto",
+        description="Inference worker processes per device (one model copy and cores/workers torch threads each); "
+        f"auto = 1 per GPU, one per core on a CPU (at most {MAX_CPU_WORKERS}).",
+    )
     max_batch_size: int | Literal["auto"] = Field(
         8,
         description="Most images in one model call; auto measures memory at warm-up and picks the largest that fits.",
@@ -45,6 +65,11 @@ class Settings(BaseSettings):
     pad_mixed_sizes: bool | Literal["auto"] = Field(
         "auto",
         description="Batch different sizes by padding (edge pixels may differ slightly); auto = on GPU only.",
+    )
+    channels_last: bool = Field(
+        True,
+        description="Run convolutions in NHWC memory (2-3x faster on CPU, tensor cores on GPU); "
+        "a model that fails on it at warm-up falls back to NCHW.",
     )
     gpu_memory_fraction: float = Field(
         0.8, gt=0, le=1, description="Share of free device memory (RAM on CPU) that batches may use."
@@ -74,15 +99,25 @@ class Settings(BaseSettings):
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log verbosity.")
     access_log: bool = Field(False, description="Log every HTTP request (costs front-end CPU under load).")
 
+    def configure_logging(self) -> None:
+        """The log format and level of every imgserve process (spawned workers start with none)."""
+        logging.basicConfig(level=self.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def workers_on(self, device_type: str) -> int:
+        """Workers per device: one per GPU keeps it busy; on a CPU single-threaded workers beat one wide one."""
+        if self.workers_per_device != "auto":
+            return self.workers_per_device
+        return 1 if device_type == "cuda" else min(usable_cpus(), MAX_CPU_WORKERS)
+
     def pads_on(self, device_type: str) -> bool:
         """Padding mixed sizes pays on a GPU (a bigger batch is nearly free); on a CPU it only adds pixels."""
         return device_type == "cuda" if self.pad_mixed_sizes == "auto" else self.pad_mixed_sizes
 
-    @field_validator("max_batch_size", mode="before")
+    @field_validator("max_batch_size", "workers_per_device", mode="before")
     @classmethod
-    def _batch_size(cls, value: object) -> object:
+    def _count_or_auto(cls, value: object, info: ValidationInfo) -> object:
         if isinstance(value, str) and value.strip().isdigit():
             value = int(value)
         if isinstance(value, int) and value < 1:
-            raise ValueError("max_batch_size must be >= 1 or 'auto'")
+            raise ValueError(f"{info.field_name} must be >= 1 or 'auto'")
         return value

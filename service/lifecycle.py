@@ -24,7 +24,11 @@ POLL_S = 0.2
 def install_drain_on_sigterm(server: ImageServer) -> None:
     """SIGTERM: turn not-ready, refuse new work (503), wait for in-flight requests, then shut down cleanly."""
 
+    main_pid = os.getpid()
+
     def on_sigterm(signum: int, frame: object) -> None:
+        if os.getpid() != main_pid:  # a forked front end inherited this handler; LitServe is stopping it
+            raise SystemExit(0)
         if not server.state.draining:
             server.state.start_draining()
             threading.Thread(target=_drain_then_stop, args=(server,), name="imgserve-drain", daemon=True).start()

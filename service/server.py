@@ -15,7 +15,7 @@ from starlette.routing import Route
 from service import __version__, metrics
 from service.admission import AdmissionMiddleware, queue_bound
 from service.api import ImageAPI
-from service.config import Settings
+from service.config import Settings, usable_cpus
 from service.lifecycle import install_drain_on_sigterm, start_worker_monitor
 from service.models.loader import ModelLoadError, check_model_source
 from service.routes import Routes
@@ -43,20 +43,21 @@ class ImageServer(ls.LitServer):
         self.settings = settings
         self.accelerator = resolve_device(settings.device)
         devices = torch.cuda.device_count() if self.accelerator == "cuda" else 1
-        self.worker_count = devices * settings.workers_per_device
+        workers_per_device = settings.workers_on(self.accelerator)
+        self.worker_count = devices * workers_per_device
         self.state = SharedState(self.worker_count)
-        batch_size = 1 if settings.max_batch_size == "auto" else settings.max_batch_size
-        self.queue_limit = queue_bound(settings, self.worker_count, batch_size)
-        api = ImageAPI(settings, self.state, batch_size)
+        self.configured_batch_size = 1 if settings.max_batch_size == "auto" else settings.max_batch_size
+        self.torch_threads = max(1, usable_cpus() // self.worker_count)
+        api = ImageAPI(settings, self.state, self.configured_batch_size, self.torch_threads)
         super().__init__(
             api,
             accelerator=self.accelerator,
             devices=devices,
-            workers_per_device=settings.workers_per_device,
+            workers_per_device=workers_per_device,
             timeout=False,  # deadlines are imgserve's (admission + worker), per request
             restart_workers=True,  # workers then report which one took a request; imgserve's monitor restarts
             middlewares=[
-                (AdmissionMiddleware, {"state": self.state, "settings": settings, "limit": self.queue_limit}),
+                (AdmissionMiddleware, {"state": self.state, "settings": settings, "limit": lambda: self.queue_limit}),
                 metrics.MetricsMiddleware,
             ],
         )
@@ -100,6 +101,12 @@ class ImageServer(ls.LitServer):
         return front_ends
 
     @property
+    def queue_limit(self) -> int:
+        """The admission bound, from the batch size the workers settled on at warm-up (max_batch_size auto)."""
+        batch_size = self.state.limits["max_batch_size"] or self.configured_batch_size
+        return queue_bound(self.settings, self.worker_count, batch_size)
+
+    @property
     def request_queue(self) -> Any:
         return self._get_request_queue(self.lit_api.api_path)
 
@@ -113,6 +120,7 @@ class ImageServer(ls.LitServer):
             "devices": self.device_names,
             "precision": self.settings.precision,
             "workers": self.worker_count,
+            "torch_threads_per_worker": self.torch_threads,
             "max_batch_size": limits["max_batch_size"] or self.settings.max_batch_size,
             "batch_pixel_budget": limits["pixel_budget"],
             "batch_timeout_ms": self.settings.batch_timeout_ms,
@@ -126,7 +134,7 @@ class ImageServer(ls.LitServer):
 
 def serve(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; the exit code is 0 after a clean drain, 1 if workers kept dying."""
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings.configure_logging()
     try:
         check_model_source(settings.model, settings.model_factory)
     except ModelLoadError as exc:

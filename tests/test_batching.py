@@ -8,11 +8,12 @@ from service.batching import BatchRunner, MemoryPlan, plan_chunks
 from service.errors import ApiError
 from service.models.denoiser import build_denoiser
 
+NHWC = torch.channels_last
 SIZES = [(32, 40), (32, 40), (24, 24), (64, 48), (24, 24), (40, 32)]
 
 
 def runner(pad: bool, model=None, on_oom=lambda: None) -> BatchRunner:
-    return BatchRunner(model or build_denoiser(), torch.device("cpu"), "fp32", pad, on_oom)
+    return BatchRunner(model or build_denoiser(), torch.device("cpu"), pad=pad, on_oom=on_oom)
 
 
 def images() -> list[torch.Tensor]:
@@ -84,3 +85,28 @@ def test_a_failing_image_fails_alone() -> None:
     outputs = runner(pad=True, model=FailsOnTall())(images())
     failed = [i for i, o in enumerate(outputs) if isinstance(o, ApiError)]
     assert failed == [3] and outputs[3].status == 500
+
+
+def test_channels_last_gives_the_same_outputs_in_nhwc_memory() -> None:
+    nhwc = BatchRunner(build_denoiser(), torch.device("cpu"), channels_last=True)
+    seen = []
+    nhwc.model.register_forward_pre_hook(lambda _, args: seen.append(args[0].is_contiguous(memory_format=NHWC)))
+    for image, output in zip(images(), nhwc(images()), strict=True):
+        torch.testing.assert_close(output, runner(pad=False)([image])[0], atol=1e-5, rtol=0)
+    assert seen and all(seen)
+
+
+def test_a_model_that_refuses_channels_last_falls_back_to_nchw_at_warm_up() -> None:
+    class ViewsItsInput(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 3, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(x).view(x.shape[0], -1).view(x.shape)  # flattening with .view needs NCHW memory
+
+    batch_runner = BatchRunner(ViewsItsInput(), torch.device("cpu"), channels_last=True)
+    batch_runner.measure(0.5)
+    assert not batch_runner.channels_last
+    outputs = batch_runner(images())
+    assert [o.shape for o in outputs] == [i.shape for i in images()]

@@ -42,9 +42,21 @@ def test_flood_sheds_with_503_and_answers_everything(tmp_path) -> None:
         assert server.metric("imgserve_queue_depth") == 0
 
 
+def test_queue_bound_follows_the_batch_size_the_workers_chose(tmp_path) -> None:
+    """max_batch_size auto: the workers pick the batch at warm-up, and admission bounds the queue by that batch."""
+    with running_server(tmp_path, max_batch_size="auto", max_image_pixels=40_000, workers_per_device=1) as server:
+        info = httpx.get(f"{server.url}/info").json()
+        assert info["max_batch_size"] > 1
+        assert info["max_queue_depth"] == info["max_batch_size"] * info["workers"] * 4
+        load = run_closed_loop(f"{server.url}/predict", users=12, seconds=2)
+        assert load.failed == 0 and load.shed == 0 and load.answered, load.errors()
+
+
 def test_deadline_passed_in_queue_is_504_and_never_computed(tmp_path, toy_model) -> None:
     os.environ["TOY_DELAY_S"] = "1.0"
-    with running_server(tmp_path, max_batch_size=1, batch_timeout_ms=0, **toy_model("Slow")) as server:
+    with running_server(
+        tmp_path, max_batch_size=1, batch_timeout_ms=0, workers_per_device=1, **toy_model("Slow")
+    ) as server:
         images_before = server.metric("imgserve_batch_size_sum")
 
         async def scenario() -> tuple[httpx.Response, httpx.Response]:
@@ -109,6 +121,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path, toy_model) 
         time.sleep(0.5)
         orphans = [pid for pid in children if os.path.exists(f"/proc/{pid}") and _state(pid) != "Z"]
         assert orphans == [], f"processes left behind: {orphans}"
+        assert "Traceback" not in server.log()
     finally:
         stop_server(server)
 
@@ -122,7 +135,7 @@ def _state(pid: int) -> str:
 
 def test_killed_worker_answers_its_requests_and_is_restarted(tmp_path, toy_model) -> None:
     os.environ["TOY_DELAY_S"] = "3"
-    with running_server(tmp_path, **toy_model("Slow")) as server:
+    with running_server(tmp_path, workers_per_device=1, **toy_model("Slow")) as server:
         [worker] = server.worker_pids()
 
         async def scenario() -> httpx.Response:
@@ -147,7 +160,9 @@ def test_killed_worker_answers_its_requests_and_is_restarted(tmp_path, toy_model
 
 
 def test_model_error_fails_only_that_request(tmp_path, toy_model) -> None:
-    with running_server(tmp_path, max_batch_size=8, batch_timeout_ms=200, **toy_model("Picky")) as server:
+    with running_server(
+        tmp_path, max_batch_size=8, batch_timeout_ms=200, workers_per_device=1, **toy_model("Picky")
+    ) as server:
 
         async def scenario() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=30) as client:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import struct
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +12,8 @@ import httpx
 import pytest
 from PIL import Image
 from serving import Server, image_bytes
+
+from service.config import MAX_CPU_WORKERS, usable_cpus
 
 SIZES = [(64, 48), (96, 96), (128, 80), (33, 71), (160, 120), (48, 64), (100, 100), (17, 23)]
 
@@ -183,3 +186,12 @@ def test_health_info_and_metrics(server: Server) -> None:
     assert (info["device"], info["precision"], info["max_batch_size"]) == ("cpu", "fp32", 8)
     assert info["batch_pixel_budget"] > 0
     assert server.metric("imgserve_model_info", model="builtin:denoiser", device="cpu") == 1
+
+
+def test_cpu_workers_share_the_cores_without_oversubscribing(server: Server) -> None:
+    info = httpx.get(f"{server.url}/info").json()
+    workers, threads = info["workers"], info["torch_threads_per_worker"]
+    assert workers == min(usable_cpus(), MAX_CPU_WORKERS)
+    assert threads == max(1, usable_cpus() // workers)
+    applied = re.findall(r"worker ready on cpu \((\d+) torch threads\)", server.log())
+    assert [int(t) for t in applied] == [threads] * workers
