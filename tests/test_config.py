@@ -1,0 +1,40 @@
+"""Settings that resolve from the machine: usable CPUs under a container CPU limit, and workers per device."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from service import config
+from service.config import MAX_CPU_WORKERS, Settings, usable_cpus
+
+
+@pytest.mark.parametrize(
+    ("cpu_max", "expected"),
+    [("max 100000\n", None), ("150000 100000\n", 1), ("50000 100000\n", 1), ("not a quota\n", None)],
+)
+def test_usable_cpus_honours_a_cgroup_cpu_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpu_max: str, expected: int | None
+) -> None:
+    affinity = len(os.sched_getaffinity(0))
+    (tmp_path / "cpu.max").write_text(cpu_max)
+    monkeypatch.setattr(config, "CGROUP_CPU_MAX", tmp_path / "cpu.max")
+    assert usable_cpus() == (affinity if expected is None else min(affinity, expected))
+
+
+def test_usable_cpus_without_a_cgroup_file_is_the_affinity_mask(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(config, "CGROUP_CPU_MAX", tmp_path / "missing")
+    assert usable_cpus() == len(os.sched_getaffinity(0))
+
+
+def test_workers_per_device_auto_is_one_per_gpu_and_one_per_core_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "usable_cpus", lambda: 16)  # a 16-core machine, which this one is not
+    assert Settings().workers_on("cuda") == 1
+    assert Settings().workers_on("cpu") == MAX_CPU_WORKERS
+    assert Settings(workers_per_device="3").workers_on("cuda") == 3
+    monkeypatch.setattr(config, "usable_cpus", lambda: 2)
+    assert Settings().workers_on("cpu") == 2
+    with pytest.raises(ValueError, match="workers_per_device must be >= 1"):
+        Settings(workers_per_device=0)
