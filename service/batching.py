@@ -181,14 +181,15 @@ class BatchRunner:
 
     def _first_forward(self, probe: torch.Tensor) -> None:
         """The warm-up call; a model that refuses channels_last input (e.g. it .view()s it) falls back to NCHW."""
-        if self.channels_last:
-            try:
-                self.forward(probe)
-                return
-            except Exception as exc:
-                log.warning("the model fails on channels_last input (%s): running it in NCHW", exc)
-                self._use_layout(False)
-        self.forward(probe)
+        if not self.channels_last:
+            self.forward(probe)
+            return
+        try:
+            self.forward(probe)
+        except Exception as exc:
+            self._use_layout(False)
+            self.forward(probe)  # a model that fails in NCHW too raises here, with its own error
+            log.warning("the model fails on channels_last input (%s): running it in NCHW", exc)
 
 
 def _available_ram() -> int:
