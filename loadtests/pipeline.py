@@ -42,7 +42,7 @@ def encode(output: torch.Tensor) -> bytes:
     return codec.encode_image(codec.from_tensor(output), "jpeg", DEFAULTS.jpeg_quality)
 
 
-def batcher(model: torch.nn.Module, device: str, channels_last: bool = DEFAULTS.channels_last) -> BatchRunner:
-    """imgserve's own batcher with its default settings for `device`, run in-process: 3xHxW list -> outputs."""
+def batcher(model: torch.nn.Module, device: str, channels_last: bool) -> BatchRunner:
+    """imgserve's own batcher with its default settings for `device` and the given memory layout, run in-process."""
     settings = DEFAULTS.model_copy(update={"channels_last": channels_last})
     return BatchRunner.for_settings(model, torch.device(device), settings)
