@@ -9,13 +9,13 @@ from typing import Any
 import litserve as ls
 import numpy as np
 import torch
-from litserve.loops import BatchedLoop
 
 from service import metrics
 from service.batching import BatchRunner
 from service.codec import from_tensor, to_tensor
 from service.config import Settings
 from service.errors import ApiError
+from service.gather import GatheringLoop
 from service.models.loader import load_model
 from service.state import SharedState
 
@@ -26,7 +26,9 @@ class ImageAPI(ls.LitAPI):
     """Images in (already decoded and validated by the HTTP front end), one result or ApiError per image out."""
 
     def __init__(self, settings: Settings, state: SharedState, batch_size: int, torch_threads: int) -> None:
-        super().__init__(max_batch_size=batch_size, batch_timeout=settings.batch_timeout_ms / 1000, loop=BatchedLoop())
+        super().__init__(
+            max_batch_size=batch_size, batch_timeout=settings.batch_timeout_ms / 1000, loop=GatheringLoop(state)
+        )
         self.settings, self.state, self.torch_threads = settings, state, torch_threads
 
     def setup(self, device: str) -> None:

@@ -61,7 +61,9 @@ class Settings(BaseSettings):
         8,
         description="Most images in one model call; auto measures memory at warm-up and picks the largest that fits.",
     )
-    batch_timeout_ms: float = Field(5.0, ge=0, description="How long a batch waits to fill up.")
+    batch_timeout_ms: float = Field(
+        5.0, ge=0, description="How long a batch may wait to fill up, counted from its oldest request's arrival."
+    )
     pad_mixed_sizes: bool | Literal["auto"] = Field(
         "auto",
         description="Batch different sizes by padding (edge pixels may differ slightly); auto = on GPU only.",

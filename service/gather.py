@@ -1,0 +1,60 @@
+"""Gathering a batch: how an inference worker takes requests off the queue, without polling it.
+
+LitServe's BatchedLoop asks the queue for a request every millisecond, idle or not: an idle pod burns a third
+of a core in its queue process and workers. This loop blocks on the queue instead, and closes a batch when it is
+full, when `batch_timeout` has passed since its oldest request was queued, or at once when no other admitted
+request could join it (so a lone request never waits for company).
+"""
+
+from __future__ import annotations
+
+import time
+from queue import Empty, Queue
+from typing import Any
+
+from litserve import LitAPI
+from litserve.loops import BatchedLoop
+from litserve.loops.base import _SENTINEL_VALUE, _StopLoopError
+from litserve.transport.base import MessageTransport
+from litserve.utils import LitAPIStatus, LoopResponseType
+
+from service.state import SharedState
+
+IDLE_WAIT_S = 0.05  # one queue call per 50 ms while idle; a request or the stop sentinel wakes it at once
+
+
+class GatheringLoop(BatchedLoop):
+    """BatchedLoop whose batches are gathered by blocking queue reads, sized by what the pod has admitted."""
+
+    def __init__(self, state: SharedState) -> None:
+        super().__init__()
+        self.state = state
+
+    def get_batch_requests(
+        self, lit_api: LitAPI, request_queue: Queue, transport: MessageTransport
+    ) -> tuple[list[tuple[int, str, Any]], list]:
+        """One batch of (response queue id, uid, payload); none timed out here (deadlines are checked in predict)."""
+        first = self._take(request_queue, IDLE_WAIT_S, transport)
+        if first is None:
+            return [], []
+        batch = [first]
+        closes_at = first[2] + lit_api.batch_timeout  # [2]: when the front end queued it (monotonic clock)
+        while len(batch) < lit_api.max_batch_size and self.state.queue_depth > len(batch):
+            request = self._take(request_queue, closes_at - time.monotonic(), transport)
+            if request is None:
+                break
+            batch.append(request)
+        return [(queue_id, uid, payload) for queue_id, uid, _, payload in batch], []
+
+    def _take(self, request_queue: Queue, wait_s: float, transport: MessageTransport) -> tuple | None:
+        """The next request within `wait_s` (none waited for when <= 0), announced to the front end as started."""
+        try:
+            request = request_queue.get(timeout=wait_s) if wait_s > 0 else request_queue.get_nowait()
+        except Empty:
+            return None
+        if request == _SENTINEL_VALUE:
+            raise _StopLoopError()
+        queue_id, uid = request[0], request[1]
+        # START tells the front end which worker holds the request, so a dead worker's requests fail fast.
+        self.put_response(transport, queue_id, uid, (), LitAPIStatus.START, LoopResponseType.REGULAR)
+        return request
