@@ -147,7 +147,7 @@ def _targets(plan: Plan, limit: Limit, by_key: dict[tuple[str, int], Cell]) -> l
             f"({_ratio(imgserve.rps, reference)}) — **{'met' if met else 'missed'}**"
         )
     for name in (IMGSERVE, BASELINE):
-        at_capacity = max((by_key[name, u] for u in plan.concurrencies[:-1]), key=lambda c: c.result.rps).result
+        at_capacity = by_key[name, top].result  # the load that the overload is 10x of
         overload = by_key[name, plan.overload].result
         p99_cap, p99_over = at_capacity.latency_ms(0.99), overload.latency_ms(0.99)
         growth = _ratio(p99_over or 0, p99_cap or 0)
