@@ -68,7 +68,8 @@ def test_bench_quick_compares_all_four(tmp_path: Path) -> None:
     out = tmp_path / "bench.md"
     assert bench.main(["--quick", "--out", str(out)]) == 0
     report = out.read_text()
-    assert "In-process limit: **" in report and "the same in NCHW memory" in report
+    assert "In-process limit, measured right before imgserve: **" in report and "right after imgserve: " in report
+    assert "The same in NCHW memory" in report
     for users in ("| 1 |", "| 20 |", "| 200 (10x overload) |"):
         assert users in report
     for server in (bench.BASELINE, bench.PLAIN, bench.IMGSERVE):
