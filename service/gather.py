@@ -3,7 +3,8 @@
 LitServe's BatchedLoop asks the queue for a request every millisecond, idle or not: an idle pod burns a third
 of a core in its queue process and workers. This loop blocks on the queue instead, and closes a batch when it is
 full, when `batch_timeout` has passed since its oldest request was queued, or at once when no other admitted
-request could join it (so a lone request never waits for company).
+request could join it (so a lone request never waits for company). Each request it takes is marked in shared
+memory as this worker's, where LitServe sends a START message through the queue process per request.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from litserve import LitAPI
 from litserve.loops import BatchedLoop
 from litserve.loops.base import _SENTINEL_VALUE, _StopLoopError
 from litserve.transport.base import MessageTransport
-from litserve.utils import LitAPIStatus, LoopResponseType
 
 from service.state import SharedState
 
@@ -34,27 +34,26 @@ class GatheringLoop(BatchedLoop):
         self, lit_api: LitAPI, request_queue: Queue, transport: MessageTransport
     ) -> tuple[list[tuple[int, str, Any]], list]:
         """One batch of (response queue id, uid, payload); none timed out here (deadlines are checked in predict)."""
-        first = self._take(request_queue, IDLE_WAIT_S, transport)
+        first = self._take(request_queue, IDLE_WAIT_S)
         if first is None:
             return [], []
         batch = [first]
         closes_at = first[2] + lit_api.batch_timeout  # [2]: when the front end queued it (monotonic clock)
         while len(batch) < lit_api.max_batch_size and self.state.queue_depth > len(batch):
-            request = self._take(request_queue, closes_at - time.monotonic(), transport)
+            request = self._take(request_queue, closes_at - time.monotonic())
             if request is None:
                 break
             batch.append(request)
         return [(queue_id, uid, payload) for queue_id, uid, _, payload in batch], []
 
-    def _take(self, request_queue: Queue, wait_s: float, transport: MessageTransport) -> tuple | None:
-        """The next request within `wait_s` (none waited for when <= 0), announced to the front end as started."""
+    def _take(self, request_queue: Queue, wait_s: float) -> tuple | None:
+        """The next request within `wait_s` (none waited for when <= 0), marked as taken by this worker."""
         try:
             request = request_queue.get(timeout=wait_s) if wait_s > 0 else request_queue.get_nowait()
         except Empty:
             return None
         if request == _SENTINEL_VALUE:
             raise _StopLoopError()
-        queue_id, uid = request[0], request[1]
-        # START tells the front end which worker holds the request, so a dead worker's requests fail fast.
-        self.put_response(transport, queue_id, uid, (), LitAPIStatus.START, LoopResponseType.REGULAR)
+        # So the front end knows which worker holds it, and fails it fast if that worker dies.
+        self.state.mark_taken(*request[3]["slot"], worker=self.worker_id)
         return request

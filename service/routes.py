@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Literal
@@ -72,6 +73,8 @@ class Routes:
         self.server = server
         self.settings, self.state = server.settings, server.state
         self.labels = _read_labels(self.settings.labels)
+        self._free_slots: list[int] | None = None  # this front end's slots in the shared taken-by table
+        self._tickets = itertools.count(1)
 
     async def predict(self, request: Request) -> Response:
         try:
@@ -90,20 +93,29 @@ class Routes:
         except ApiError as error:
             return error.response()
 
+    def _claim_slot(self) -> int:
+        if self._free_slots is None:  # the first request in this front-end process: take its own range
+            size = self.server.slots_per_front_end
+            first = self.server.app.response_queue_id * size
+            self._free_slots = list(range(first, first + size))
+        return self._free_slots.pop()  # never empty: admission keeps fewer requests in flight than there are slots
+
     async def _dispatch(self, payload: dict[str, Any]) -> Any:
         """Queue the payload for a worker and wait for its answer, until the deadline or the worker's death."""
         server, uid = self.server, uuid.uuid4().hex
+        slot, ticket = self._claim_slot(), next(self._tickets)
         item = ResponseBufferItem(event=asyncio.Event())
         server.response_buffer[uid] = item
         submitted = time.monotonic()
-        server.request_queue.put((server.app.response_queue_id, uid, submitted, payload))
+        server.request_queue.put((server.app.response_queue_id, uid, submitted, {**payload, "slot": (slot, ticket)}))
         try:
             while not item.event.is_set():
                 remaining = payload["deadline"] - time.monotonic()
                 if remaining <= 0:
                     metrics.REJECTED.labels("deadline").inc()
                     raise ApiError(504, "deadline", "no answer before the request's deadline")
-                if item.worker_id is not None and self.state.lost_since(item.worker_id, submitted):
+                worker = self.state.taken_by(slot, ticket)
+                if worker is not None and self.state.lost_since(worker, submitted):
                     metrics.REJECTED.labels("worker_lost").inc()
                     raise ApiError(503, "worker_lost", "the inference worker died", self.settings.retry_after_s)
                 try:
@@ -112,6 +124,7 @@ class Routes:
                     continue
         finally:
             server.response_buffer.pop(uid, None)
+            self._free_slots.append(slot)
         output, status = item.response
         if status == LitAPIStatus.ERROR or output is None:
             raise ApiError(500, "internal_error", "the inference worker failed on this batch")

@@ -15,6 +15,7 @@ from starlette.routing import Route
 from service import __version__, metrics
 from service.admission import AdmissionMiddleware, queue_bound
 from service.api import ImageAPI
+from service.batching import AUTO_BATCH_CAP
 from service.config import Settings, usable_cpus
 from service.lifecycle import install_drain_on_sigterm, start_worker_monitor
 from service.models.loader import ModelLoadError, check_model_source
@@ -45,8 +46,10 @@ class ImageServer(ls.LitServer):
         devices = torch.cuda.device_count() if self.accelerator == "cuda" else 1
         workers_per_device = settings.workers_on(self.accelerator)
         self.worker_count = devices * workers_per_device
-        self.state = SharedState(self.worker_count)
         self.configured_batch_size = 1 if settings.max_batch_size == "auto" else settings.max_batch_size
+        largest_batch = AUTO_BATCH_CAP if settings.max_batch_size == "auto" else settings.max_batch_size
+        self.slots_per_front_end = queue_bound(settings, self.worker_count, largest_batch)  # the most in flight
+        self.state = SharedState(self.worker_count, request_slots=self.slots_per_front_end * settings.api_servers)
         self.torch_threads = max(1, usable_cpus() // self.worker_count)
         api = ImageAPI(settings, self.state, self.configured_batch_size, self.torch_threads)
         super().__init__(
@@ -55,7 +58,6 @@ class ImageServer(ls.LitServer):
             devices=devices,
             workers_per_device=workers_per_device,
             timeout=False,  # deadlines are imgserve's (admission + worker), per request
-            restart_workers=True,  # workers then report which one took a request; imgserve's monitor restarts
             middlewares=[
                 (AdmissionMiddleware, {"state": self.state, "settings": settings, "limit": lambda: self.queue_limit}),
                 metrics.MetricsMiddleware,

@@ -12,7 +12,7 @@ _ctx = mp.get_context("spawn")
 class SharedState:
     """Exact per-pod numbers (queue depth, draining, worker health) that no single process could know alone."""
 
-    def __init__(self, workers: int) -> None:
+    def __init__(self, workers: int, request_slots: int = 1) -> None:
         self._depth = _ctx.Value("i", 0)
         self._draining = _ctx.Value("b", 0)
         self._exit_code = _ctx.Value("i", 0)
@@ -20,6 +20,7 @@ class SharedState:
         self._pixel_budget = _ctx.Value("q", 0)
         self._alive = _ctx.Array("b", [1] * workers)
         self._lost_at = _ctx.Array("d", [0.0] * workers)
+        self._taken = _ctx.Array("q", request_slots, lock=False)  # one writer per slot at a time: no lock needed
 
     # Admission: requests admitted and not yet answered.
     def try_admit(self, limit: int) -> bool:
@@ -77,3 +78,13 @@ class SharedState:
     def lost_since(self, worker: int, since: float) -> bool:
         """Did `worker` die after `since` (a time.monotonic() reading)?"""
         return self._lost_at[worker] > since
+
+    # Which worker took which request: a shared-memory write per request instead of a message through the queues.
+    def mark_taken(self, slot: int, ticket: int, worker: int) -> None:
+        """Worker `worker` took the request that its front end numbered `ticket` and placed in `slot`."""
+        self._taken[slot] = ticket << 8 | worker + 1
+
+    def taken_by(self, slot: int, ticket: int) -> int | None:
+        """The worker holding request `ticket`, or None while it is queued (a stale ticket in the slot is ignored)."""
+        value = self._taken[slot]
+        return (value & 0xFF) - 1 if value >> 8 == ticket else None

@@ -1,4 +1,5 @@
-"""How a worker gathers a batch, against LitServe's real Manager queues: block when idle, never wait without cause."""
+"""How a worker gathers a batch, against LitServe's real Manager queues: block when idle, never wait without cause,
+and mark in shared memory which worker took which request."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import litserve as ls
 import pytest
 from litserve.loops.base import _SENTINEL_VALUE, _StopLoopError
 from litserve.transport.process_transport import MPQueueTransport
-from litserve.utils import LitAPIStatus
 
 from service.gather import IDLE_WAIT_S, GatheringLoop
 from service.state import SharedState
@@ -49,14 +49,16 @@ def manager() -> Iterator[object]:
         yield running
 
 
+WORKER = 3
+
+
 @pytest.fixture
-def setup(manager):
-    """The loop as a worker runs it (restart_workers on, so it announces START), its queues and shared state."""
-    state = SharedState(workers=1)
-    loop = GatheringLoop(state)
-    loop._restart_workers = True  # what litserve's inference_worker sets when the server restarts workers
+def setup(manager, monkeypatch):
+    """The loop as worker 3 runs it, its queues, and the shared state with one slot per request of these tests."""
+    monkeypatch.setenv("LITSERVE_WORKER_ID", str(WORKER))  # what litserve's inference_worker sets
+    state = SharedState(workers=WORKER + 1, request_slots=8)
     requests, answers = RecordingQueue(manager.Queue()), manager.Queue()
-    return loop, state, requests, MPQueueTransport(manager, [answers]), answers
+    return GatheringLoop(state), state, requests, MPQueueTransport(manager, [answers]), answers
 
 
 def admit(state: SharedState, count: int) -> None:
@@ -64,60 +66,66 @@ def admit(state: SharedState, count: int) -> None:
         assert state.try_admit(limit=100)
 
 
-def request(uid: str, queued_at: float) -> tuple:
-    return (0, uid, queued_at, {"pixels": uid})
+def request(index: int, queued_at: float) -> tuple:
+    """Request `index` as a front end queues it: in slot `index`, with ticket 100 + index."""
+    return (0, f"u{index}", queued_at, {"pixels": index, "slot": (index, 100 + index)})
 
 
-def started(answers: object) -> list[str]:
-    """The uids the loop announced as started, in order."""
-    uids = []
-    while not answers.empty():
-        uid, (_, status, *_) = answers.get()
-        assert status == LitAPIStatus.START
-        uids.append(uid)
-    return uids
+def taken(state: SharedState) -> list[int]:
+    """The slots whose request worker 3 has taken."""
+    return [slot for slot in range(8) if state.taken_by(slot, 100 + slot) == WORKER]
 
 
 def test_an_idle_worker_blocks_on_the_queue_instead_of_polling(setup) -> None:
-    loop, state, requests, transport, _ = setup
+    loop, state, requests, transport, answers = setup
     assert loop.get_batch_requests(Echo(max_batch_size=4, batch_timeout=0.01), requests, transport) == ([], [])
     # LitServe's BatchedLoop polls with get(timeout=0.001) for the whole batch window, over and over.
     assert requests.reads == [("get", IDLE_WAIT_S)]
+    assert answers.empty()
 
 
 def test_a_backlog_is_taken_at_once_up_to_the_batch_size(setup) -> None:
     loop, state, requests, transport, answers = setup
     long_ago = time.monotonic() - 10
     for i in range(6):
-        requests.put(request(f"u{i}", long_ago))
+        requests.put(request(i, long_ago))
     admit(state, 6)
     batch, timed_out = loop.get_batch_requests(Echo(max_batch_size=4, batch_timeout=1.0), requests, transport)
     assert [uid for _, uid, _ in batch] == ["u0", "u1", "u2", "u3"]
-    assert batch[0] == (0, "u0", {"pixels": "u0"}) and timed_out == []
+    assert batch[0] == (0, "u0", {"pixels": 0, "slot": (0, 100)}) and timed_out == []
     assert requests.reads[1:] == [("get_nowait", None)] * 3, "the window had closed: nothing is waited for"
-    assert started(answers) == ["u0", "u1", "u2", "u3"]
+    assert taken(state) == [0, 1, 2, 3], "the two still queued are not marked"
+    assert answers.empty(), "no START message per request through the queue process"
 
 
 def test_a_lone_request_does_not_wait_for_company(setup) -> None:
     loop, state, requests, transport, answers = setup
-    requests.put(request("alone", time.monotonic()))
+    requests.put(request(5, time.monotonic()))
     admit(state, 1)
     batch, _ = loop.get_batch_requests(Echo(max_batch_size=8, batch_timeout=30.0), requests, transport)
-    assert [uid for _, uid, _ in batch] == ["alone"]
+    assert [uid for _, uid, _ in batch] == ["u5"]
     assert requests.reads == [("get", IDLE_WAIT_S)], "no other request was admitted, so none was waited for"
-    assert started(answers) == ["alone"]
+    assert taken(state) == [5]
 
 
 def test_a_batch_waits_within_its_window_for_requests_already_admitted(setup) -> None:
     loop, state, requests, transport, answers = setup
-    requests.put(request("first", time.monotonic()))
+    requests.put(request(0, time.monotonic()))
     admit(state, 2)  # the second is still being read and decoded by the front end
-    threading.Timer(0.2, requests.put, args=(request("second", time.monotonic()),)).start()
+    threading.Timer(0.2, requests.put, args=(request(1, time.monotonic()),)).start()
     batch, _ = loop.get_batch_requests(Echo(max_batch_size=8, batch_timeout=30.0), requests, transport)
-    assert [uid for _, uid, _ in batch] == ["first", "second"]
+    assert [uid for _, uid, _ in batch] == ["u0", "u1"]
     method, timeout = requests.reads[1]
     assert method == "get" and 0 < timeout <= 30.0
-    assert started(answers) == ["first", "second"]
+    assert taken(state) == [0, 1]
+
+
+def test_a_stale_ticket_in_a_reused_slot_is_not_taken_for_the_new_request() -> None:
+    state = SharedState(workers=2, request_slots=4)
+    state.mark_taken(2, ticket=7, worker=1)
+    assert state.taken_by(2, ticket=7) == 1
+    assert state.taken_by(2, ticket=9) is None, "slot 2 now holds request 9, still queued"
+    assert state.taken_by(3, ticket=7) is None
 
 
 def test_the_stop_sentinel_ends_the_loop(setup) -> None:
