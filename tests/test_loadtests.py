@@ -11,6 +11,7 @@ import pytest
 
 from loadtests import bench, capacity
 from loadtests.images import check_answer, sample_images
+from loadtests.inprocess import Limit
 from loadtests.run import run_load_test
 from loadtests.servers import RunningServer, free_port, imgserve_command, running_server
 from loadtests.shapes import SHAPES
@@ -68,10 +69,16 @@ def test_bench_quick_compares_all_four(tmp_path: Path) -> None:
     out = tmp_path / "bench.md"
     assert bench.main(["--quick", "--out", str(out)]) == 0
     report = out.read_text()
-    assert "In-process limit, measured right before imgserve: **" in report and "right after imgserve: " in report
+    assert "In-process limit, measured right before imgserve: **" in report and "ratios use the higher" in report
     assert "The same in NCHW memory" in report
     for users in ("| 1 |", "| 20 |", "| 200 (10x overload) |"):
         assert users in report
     for server in (bench.BASELINE, bench.PLAIN, bench.IMGSERVE):
         assert report.count(f"| {server} |") == 3
     assert report.count("**met**") + report.count("**missed**") == 5
+
+
+def test_imgserve_is_held_to_the_higher_of_the_two_limit_measurements() -> None:
+    before = Limit({4: 90.0, 8: 100.0})
+    assert bench.Limits(before, before, after_images_per_s=120.0).reference == 120.0
+    assert bench.Limits(before, before, after_images_per_s=80.0).reference == 100.0
