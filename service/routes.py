@@ -107,7 +107,8 @@ class Routes:
         item = ResponseBufferItem(event=asyncio.Event())
         server.response_buffer[uid] = item
         submitted = time.monotonic()
-        server.request_queue.put((server.app.response_queue_id, uid, submitted, {**payload, "slot": (slot, ticket)}))
+        payload["slot"] = (slot, ticket)  # where the worker that takes it marks itself (SharedState.mark_taken)
+        server.request_queue.put((server.app.response_queue_id, uid, submitted, payload))
         try:
             while not item.event.is_set():
                 remaining = payload["deadline"] - time.monotonic()

@@ -46,8 +46,9 @@ class ImageServer(ls.LitServer):
         devices = torch.cuda.device_count() if self.accelerator == "cuda" else 1
         workers_per_device = settings.workers_on(self.accelerator)
         self.worker_count = devices * workers_per_device
-        self.configured_batch_size = 1 if settings.max_batch_size == "auto" else settings.max_batch_size
-        largest_batch = AUTO_BATCH_CAP if settings.max_batch_size == "auto" else settings.max_batch_size
+        auto_batch = settings.max_batch_size == "auto"
+        self.configured_batch_size = 1 if auto_batch else settings.max_batch_size
+        largest_batch = AUTO_BATCH_CAP if auto_batch else settings.max_batch_size
         self.slots_per_front_end = queue_bound(settings, self.worker_count, largest_batch)  # the most in flight
         self.state = SharedState(self.worker_count, request_slots=self.slots_per_front_end * settings.api_servers)
         self.torch_threads = max(1, usable_cpus() // self.worker_count)
