@@ -42,7 +42,7 @@ def measure_limit(
 
     def one_batch(first: int, size: int) -> None:
         batch = [images[(first + i) % len(images)] for i in range(size)]
-        outputs = batcher([pipeline.decode(image.data) for image in batch])
+        outputs = batcher([pipeline.decode_pixels(image.data) for image in batch])
         for output in outputs:
             pipeline.encode(output)
 

@@ -6,10 +6,11 @@ decode/encode through here, so the benchmark compares serving designs, not codec
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from service import codec
-from service.batching import BatchRunner
+from service.batching import BatchRunner, InMemory
 from service.config import BUILTIN_MODEL, Settings
 from service.models.loader import load_model
 
@@ -27,8 +28,14 @@ def load_denoiser(device: str) -> torch.nn.Module:
 
 
 def decode(data: bytes) -> torch.Tensor:
-    """Upload bytes -> 3xHxW float tensor, with imgserve's strict decoder and limits."""
-    return codec.to_tensor(codec.decode_image(data, DEFAULTS.max_image_pixels))
+    """Upload bytes -> 3xHxW float tensor in [0, 1] (the usual hand-written endpoint), with imgserve's decoder."""
+    pixels = codec.decode_image(data, DEFAULTS.max_image_pixels)
+    return torch.from_numpy(pixels).permute(2, 0, 1).float().div_(255.0)
+
+
+def decode_pixels(data: bytes) -> InMemory:
+    """Upload bytes -> HxWx3 uint8 pixels ready for imgserve's batcher."""
+    return InMemory(codec.decode_image(data, DEFAULTS.max_image_pixels))
 
 
 def forward(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -37,9 +44,11 @@ def forward(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
         return model(batch.to(next(model.parameters()).device)).cpu()
 
 
-def encode(output: torch.Tensor) -> bytes:
-    """3xHxW output -> JPEG bytes at imgserve's default quality."""
-    return codec.encode_image(codec.from_tensor(output), "jpeg", DEFAULTS.jpeg_quality)
+def encode(output: torch.Tensor | np.ndarray) -> bytes:
+    """JPEG bytes at imgserve's default quality from a 3xHxW float output in [0, 1] or imgserve's HxWx3 uint8."""
+    if isinstance(output, torch.Tensor):
+        output = output.clamp(0, 1).mul(255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    return codec.encode_image(output, "jpeg", DEFAULTS.jpeg_quality)
 
 
 def batcher(model: torch.nn.Module, device: str, channels_last: bool) -> BatchRunner:

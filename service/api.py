@@ -1,42 +1,63 @@
-"""The LitAPI that runs in each inference worker: load + warm up, then batch -> model -> per-image results."""
+"""The LitAPI that runs in each inference worker: load + warm up, then slots -> batch -> model -> slots.
+
+Requests arrive as a few small fields (slot, shape, deadline); the pixels are read from the request's shared-memory
+slot straight into the batch, and an image result is written back into the same slot.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import litserve as ls
 import numpy as np
 import torch
 
-from service import metrics
-from service.batching import BatchRunner
-from service.codec import from_tensor, to_tensor
+from service import metrics, worker_memory
+from service.batching import BatchRunner, Result
 from service.config import Settings
 from service.errors import ApiError
 from service.gather import GatheringLoop
 from service.models.loader import load_model
+from service.pixel_slots import InSlot, SlotFiles
 from service.state import SharedState
 
 log = logging.getLogger(__name__)
+INLINE_BYTES = 64 * 1024  # results up to this size (class scores) travel in the answer message, larger in the slot
+
+
+class SlotPixels:
+    """A request's input image as it lies in its slot (the `Pixels` that BatchRunner reads)."""
+
+    def __init__(self, slots: SlotFiles, request: dict[str, Any]) -> None:
+        self.slots, self.slot, self.shape = slots, request["slot"][0], tuple(request["shape"])
+
+    def read_into(self, out: np.ndarray) -> None:
+        self.slots.read_into(self.slot, out)
 
 
 class ImageAPI(ls.LitAPI):
     """Images in (already decoded and validated by the HTTP front end), one result or ApiError per image out."""
 
-    def __init__(self, settings: Settings, state: SharedState, batch_size: int, torch_threads: int) -> None:
+    def __init__(
+        self, settings: Settings, state: SharedState, slot_directory: Path, batch_size: int, torch_threads: int
+    ) -> None:
         super().__init__(
             max_batch_size=batch_size, batch_timeout=settings.batch_timeout_ms / 1000, loop=GatheringLoop(state)
         )
         self.settings, self.state, self.torch_threads = settings, state, torch_threads
+        self.slot_directory = slot_directory
 
     def setup(self, device: str) -> None:
         """Load the model on `device`, warm it up, measure its memory and fix the batch limits."""
         settings = self.settings
         settings.configure_logging()
+        self.slots = SlotFiles(self.slot_directory)
         torch_device = torch.device(device)
         torch.set_num_threads(self.torch_threads)  # the worker's share of the cores: no oversubscription
+        worker_memory.hold_freed_memory()
         model = load_model(settings.model, settings.model_factory, settings.trust_pickle)
         if isinstance(model, torch.nn.Module):
             model = model.to(torch_device)  # the loader already set eval mode (torch.export programs refuse eval())
@@ -59,20 +80,18 @@ class ImageAPI(ls.LitAPI):
         )
 
     def decode_request(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Pixels from the front end -> the model's input tensor; the deadline travels along."""
-        return {**request, "tensor": to_tensor(request["pixels"])}
+        """Nothing to decode: the front end decoded the upload into the slot."""
+        return request
 
     def batch(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Images of different sizes stay a list: BatchRunner pads them into memory-bounded chunks."""
+        """Images of different sizes stay a list: BatchRunner reads them into memory-bounded chunks."""
         return inputs
 
-    def predict(self, items: list[dict[str, Any]]) -> list[torch.Tensor | ApiError]:
+    def predict(self, items: list[dict[str, Any]]) -> list[Result | InSlot]:
         """Drop what is past its deadline (never computed), run the rest, one answer per item."""
         now = time.monotonic()
         live = [i for i, item in enumerate(items) if item["deadline"] > now]
-        results: list[torch.Tensor | ApiError] = [ApiError(504, "deadline", "the deadline passed in the queue")] * len(
-            items
-        )
+        results: list[Result | InSlot] = [ApiError(504, "deadline", "the deadline passed in the queue")] * len(items)
         metrics.REJECTED.labels("deadline").inc(len(items) - len(live))
         if not live:
             return results
@@ -82,21 +101,30 @@ class ImageAPI(ls.LitAPI):
         metrics.INFLIGHT.set(len(live))
         started = time.perf_counter()
         try:
-            outputs = self.runner([items[i]["tensor"] for i in live])
+            outputs = self.runner([SlotPixels(self.slots, items[i]) for i in live])
         finally:
             metrics.INFERENCE_DURATION.observe(time.perf_counter() - started)
             metrics.INFLIGHT.set(0)
         for i, output in zip(live, outputs, strict=True):
-            results[i] = output
+            results[i] = self._place(items[i], output)
         return results
 
-    def unbatch(self, output: list[torch.Tensor | ApiError]) -> list[torch.Tensor | ApiError]:
+    def _place(self, request: dict[str, Any], output: Result) -> Result | InSlot:
+        """A large result goes into the request's slot (unless its front end gave the slot to another request)."""
+        if not isinstance(output, np.ndarray) or output.nbytes <= INLINE_BYTES:
+            return output
+        slot, ticket = request["slot"]
+        if not self.state.owns(slot, ticket):
+            return ApiError(504, "deadline", "the request was given up on")
+        try:
+            self.slots.write(slot, output)
+        except ApiError as error:
+            return error
+        return InSlot(output.shape, output.dtype.str)
+
+    def unbatch(self, output: list[Result | InSlot]) -> list[Result | InSlot]:
         return output
 
-    def encode_response(self, output: torch.Tensor | ApiError) -> np.ndarray | ApiError:
-        """An image -> uint8 HxWxC pixels; class scores -> float32 vector; errors pass through to the front end."""
-        if isinstance(output, ApiError):
-            return output
-        if output.ndim == 3:
-            return from_tensor(output)
-        return output.float().numpy()
+    def encode_response(self, output: Result | InSlot) -> Result | InSlot:
+        """Already small: an InSlot, class scores or an ApiError (passed through to the front end)."""
+        return output

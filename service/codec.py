@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from service.errors import ApiError
@@ -51,17 +50,6 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
     return image.convert("RGB")
-
-
-def to_tensor(pixels: np.ndarray) -> torch.Tensor:
-    """uint8 HxWx3 -> float32 3xHxW in [0, 1]: the input every model gets."""
-    return torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).float().div_(255.0)
-
-
-def from_tensor(image: torch.Tensor) -> np.ndarray:
-    """Model output CxHxW in [0, 1] -> uint8 HxWxC (C is 1 or 3)."""
-    array = image.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8).cpu()
-    return array.permute(1, 2, 0).numpy()
 
 
 def encode_image(pixels: np.ndarray, fmt: str, quality: int) -> bytes:

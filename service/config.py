@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 BUILTIN_MODEL = "builtin:denoiser"
 MAX_CPU_WORKERS = 4
+MAX_FRONT_ENDS = 4
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 
 
@@ -34,7 +35,11 @@ class Settings(BaseSettings):
     # Where it listens.
     host: str = Field("0.0.0.0", description="Address to bind (0.0.0.0, 127.0.0.1 or ::).")
     port: int = Field(8000, ge=1024, le=65535, description="TCP port.")
-    api_servers: int = Field(1, ge=1, description="HTTP front-end processes (they share the port).")
+    api_servers: int | Literal["auto"] = Field(
+        "auto",
+        description="HTTP front-end processes (they share the port); auto = the cores the inference workers leave "
+        f"free, at least 1, at most {MAX_FRONT_ENDS}.",
+    )
 
     # What it serves.
     model: str = Field(BUILTIN_MODEL, description="builtin:denoiser, or a path to .pt/.pt2/.safetensors/.pth.")
@@ -111,11 +116,19 @@ class Settings(BaseSettings):
             return self.workers_per_device
         return 1 if device_type == "cuda" else min(usable_cpus(), MAX_CPU_WORKERS)
 
+    def front_ends_on(self, device_type: str) -> int:
+        """HTTP front ends: on a GPU the workers leave most cores to decoding and encoding; on a CPU they take them."""
+        if self.api_servers != "auto":
+            return self.api_servers
+        if device_type != "cuda":
+            return 1
+        return max(1, min(usable_cpus() - self.workers_on(device_type), MAX_FRONT_ENDS))
+
     def pads_on(self, device_type: str) -> bool:
         """Padding mixed sizes pays on a GPU (a bigger batch is nearly free); on a CPU it only adds pixels."""
         return device_type == "cuda" if self.pad_mixed_sizes == "auto" else self.pad_mixed_sizes
 
-    @field_validator("max_batch_size", "workers_per_device", mode="before")
+    @field_validator("max_batch_size", "workers_per_device", "api_servers", mode="before")
     @classmethod
     def _count_or_auto(cls, value: object, info: ValidationInfo) -> object:
         if isinstance(value, str) and value.strip().isdigit():

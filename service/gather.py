@@ -18,9 +18,11 @@ from litserve.loops import BatchedLoop
 from litserve.loops.base import _SENTINEL_VALUE, _StopLoopError
 from litserve.transport.base import MessageTransport
 
+from service import worker_memory
 from service.state import SharedState
 
 IDLE_WAIT_S = 0.05  # one queue call per 50 ms while idle; a request or the stop sentinel wakes it at once
+TRIM_AFTER_IDLE_S = 2.0  # a worker idle this long gives the memory of its last batches back
 
 
 class GatheringLoop(BatchedLoop):
@@ -29,6 +31,7 @@ class GatheringLoop(BatchedLoop):
     def __init__(self, state: SharedState) -> None:
         super().__init__()
         self.state = state
+        self._busy_at: float | None = None  # when the last batch was taken, until the heap is trimmed
 
     def get_batch_requests(
         self, lit_api: LitAPI, request_queue: Queue, transport: MessageTransport
@@ -36,7 +39,11 @@ class GatheringLoop(BatchedLoop):
         """One batch of (response queue id, uid, payload); none timed out here (deadlines are checked in predict)."""
         first = self._take(request_queue, IDLE_WAIT_S)
         if first is None:
+            if self._busy_at is not None and time.monotonic() - self._busy_at > TRIM_AFTER_IDLE_S:
+                worker_memory.trim()
+                self._busy_at = None
             return [], []
+        self._busy_at = time.monotonic()
         batch = [first]
         closes_at = first[2] + lit_api.batch_timeout  # [2]: when the front end queued it (monotonic clock)
         while len(batch) < lit_api.max_batch_size and self.state.queue_depth > len(batch):
@@ -47,13 +54,17 @@ class GatheringLoop(BatchedLoop):
         return [(queue_id, uid, payload) for queue_id, uid, _, payload in batch], []
 
     def _take(self, request_queue: Queue, wait_s: float) -> tuple | None:
-        """The next request within `wait_s` (none waited for when <= 0), marked as taken by this worker."""
-        try:
-            request = request_queue.get(timeout=wait_s) if wait_s > 0 else request_queue.get_nowait()
-        except Empty:
-            return None
-        if request == _SENTINEL_VALUE:
-            raise _StopLoopError()
-        # So the front end knows which worker holds it, and fails it fast if that worker dies.
-        self.state.mark_taken(*request[3]["slot"], worker=self.worker_id)
-        return request
+        """The next live request within `wait_s` (none waited for when <= 0), marked as taken by this worker."""
+        until = time.monotonic() + wait_s
+        while True:
+            try:
+                request = request_queue.get(timeout=wait_s) if wait_s > 0 else request_queue.get_nowait()
+            except Empty:
+                return None
+            if request == _SENTINEL_VALUE:
+                raise _StopLoopError()
+            # So the front end knows which worker holds it, and fails it fast if that worker dies. A request whose
+            # slot has moved on to another (its front end gave up on it long ago) is dropped unanswered.
+            if self.state.mark_taken(*request[3]["slot"], worker=self.worker_id):
+                return request
+            wait_s = until - time.monotonic()

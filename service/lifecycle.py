@@ -7,21 +7,34 @@ import os
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING
+from multiprocessing.process import BaseProcess
+from typing import Protocol
 
-from litserve.utils import WorkerSetupStatus
 from prometheus_client import multiprocess
 
 from service import metrics
-
-if TYPE_CHECKING:
-    from service.server import ImageServer
+from service.config import Settings
+from service.state import SharedState
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2
 
 
-def install_drain_on_sigterm(server: ImageServer) -> None:
+class ManagedServer(Protocol):
+    """What the lifecycle needs of the server (so this module does not import it)."""
+
+    settings: Settings
+    state: SharedState
+    inference_workers: list[BaseProcess]
+
+    def restart_worker(self, index: int) -> BaseProcess:
+        """Start a new inference worker in place of worker `index`."""
+
+    def worker_starting(self, index: int) -> bool:
+        """Is worker `index` still loading its model?"""
+
+
+def install_drain_on_sigterm(server: ManagedServer) -> None:
     """SIGTERM: turn not-ready, refuse new work (503), wait for in-flight requests, then shut down cleanly."""
 
     main_pid = os.getpid()
@@ -38,7 +51,7 @@ def install_drain_on_sigterm(server: ImageServer) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _drain_then_stop(server: ImageServer) -> None:
+def _drain_then_stop(server: ManagedServer) -> None:
     deadline = time.monotonic() + server.settings.drain_timeout_s
     log.info("SIGTERM: draining %d in-flight requests", server.state.queue_depth)
     while server.state.queue_depth > 0 and time.monotonic() < deadline:
@@ -48,12 +61,12 @@ def _drain_then_stop(server: ImageServer) -> None:
     stop(server)
 
 
-def stop(server: ImageServer) -> None:
+def stop(server: ManagedServer) -> None:
     """Let LitServe's own clean shutdown run (it handles KeyboardInterrupt, not SIGTERM)."""
     os.kill(os.getpid(), signal.SIGINT)
 
 
-def start_worker_monitor(server: ImageServer, max_restarts: int) -> None:
+def start_worker_monitor(server: ManagedServer, max_restarts: int) -> None:
     """Watch the inference workers; on a death, fail its requests fast (503) and restart it, or exit non-zero."""
 
     def watch() -> None:
@@ -77,7 +90,7 @@ def start_worker_monitor(server: ImageServer, max_restarts: int) -> None:
                 restarts += 1
                 metrics.WORKER_RESTARTS.inc()
                 log.error("inference worker %d died (exit %s); restarting it", index, process.exitcode)
-                server.inference_workers[index] = server.launch_single_inference_worker(server.lit_api, index)
+                server.inference_workers[index] = server.restart_worker(index)
                 _wait_until_setup_ends(server, index)
                 server.state.worker_back(index)
             time.sleep(POLL_S)
@@ -85,9 +98,8 @@ def start_worker_monitor(server: ImageServer, max_restarts: int) -> None:
     threading.Thread(target=watch, name="imgserve-worker-monitor", daemon=True).start()
 
 
-def _wait_until_setup_ends(server: ImageServer, index: int) -> None:
-    key = f"{server.lit_api.api_path.split('/')[-1]}_{index}"
-    while server.workers_setup_status.get(key) == WorkerSetupStatus.STARTING:
+def _wait_until_setup_ends(server: ManagedServer, index: int) -> None:
+    while server.worker_starting(index):
         if not server.inference_workers[index].is_alive():
             return
         time.sleep(POLL_S)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from service.pixel_slots import bytes_in_use
 from service.state import SharedState
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60)
@@ -45,20 +47,20 @@ INFERENCE_DURATION = Histogram(
 REJECTED = Counter("imgserve_rejected_total", "Requests shed or timed out instead of computed", ["reason"])
 INFLIGHT = Gauge("imgserve_inflight_requests", "Images in a model batch right now", multiprocess_mode="livesum")
 OOM_SPLITS = Counter("imgserve_oom_splits_total", "Batches split and retried after running out of memory")
+SLOTS_IN_USE = Gauge(
+    "imgserve_slots_in_use", "Shared-memory request slots held (answers pending)", multiprocess_mode="livesum"
+)
 WORKER_RESTARTS = Counter("imgserve_worker_restarts_total", "Inference workers restarted after dying")
 
 
 class PodCollector:
     """Scrape-time gauges: queue depth from shared memory, model/build info, GPU utilization and memory (NVML)."""
 
-    def __init__(self, state: SharedState, model: str, precision: str, device: str, version: str) -> None:
-        self.state, self.model, self.precision, self.device, self.version = (
-            state,
-            model,
-            precision,
-            device,
-            version,
-        )
+    def __init__(
+        self, state: SharedState, slot_directory: Path, model: str, precision: str, device: str, version: str
+    ) -> None:
+        self.state, self.slot_directory = state, slot_directory
+        self.model, self.precision, self.device, self.version = model, precision, device, version
 
     def collect(self) -> Iterator[Metric]:
         depth = GaugeMetricFamily("imgserve_queue_depth", "Requests admitted and not yet answered (this pod)")
@@ -67,7 +69,9 @@ class PodCollector:
         info.add_metric([self.model, self.precision, self.device], 1)
         build = GaugeMetricFamily("imgserve_build_info", "The imgserve version", labels=["version"])
         build.add_metric([self.version], 1)
-        yield from (depth, info, build)
+        shm = GaugeMetricFamily("imgserve_shared_memory_bytes", "Memory held by the request slots in /dev/shm")
+        shm.add_metric([], bytes_in_use(self.slot_directory))
+        yield from (depth, info, build, shm)
         if self.device.startswith("cuda"):
             yield from _gpu_metrics()
 

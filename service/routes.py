@@ -2,27 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
-import itertools
-import time
-import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal
 
 import numpy as np
-from litserve.utils import LitAPIStatus, ResponseBufferItem, WorkerSetupStatus
+from litserve.utils import WorkerSetupStatus
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from service import codec, metrics
+from service import codec
+from service.config import Settings
+from service.dispatch import Dispatcher, Slot
 from service.errors import ApiError
+from service.state import SharedState
 
-if TYPE_CHECKING:
-    from service.server import ImageServer
-
-WORKER_CHECK_S = 0.25
+INLINE_CODEC_BYTES = 32 * 1024  # uploads up to this size are decoded (and their answers encoded) on the event loop
 
 
 class PredictParams(BaseModel):
@@ -66,74 +63,48 @@ async def _upload(request: Request) -> bytes:
     )
 
 
-class Routes:
-    """The endpoints, bound to one ImageServer (its queues, response buffer and shared state)."""
+async def _call(inline: bool, function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` on the event loop when `inline`, else in the thread pool."""
+    return function(*args) if inline else await run_in_threadpool(function, *args)
 
-    def __init__(self, server: ImageServer) -> None:
-        self.server = server
-        self.settings, self.state = server.settings, server.state
-        self.labels = _read_labels(self.settings.labels)
-        self._free_slots: list[int] | None = None  # this front end's slots in the shared taken-by table
-        self._tickets = itertools.count(1)
+
+class Routes:
+    """The endpoints of one server: what they need of it is passed in, so this module does not import the server."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        state: SharedState,
+        dispatcher: Dispatcher,
+        metrics_body: Callable[[], bytes],
+        describe: Callable[[], dict[str, Any]],
+        setup_status: Callable[[], dict[str, str]],
+    ) -> None:
+        self.settings, self.state, self.dispatcher, self.metrics_body = settings, state, dispatcher, metrics_body
+        self.describe, self.setup_status = describe, setup_status
+        self.labels = _read_labels(settings.labels)
 
     async def predict(self, request: Request) -> Response:
         try:
             params = _params(request)
             data = await _upload(request)
-            pixels = await run_in_threadpool(
-                codec.decode_image, data, self.settings.max_image_pixels, self.settings.input_size
-            )
-            payload = {
-                "pixels": pixels,
-                "deadline": request.scope["state"]["deadline"],
-                "admitted": time.monotonic(),
-            }
-            output = await self._dispatch(payload)
-            return await run_in_threadpool(self._render, output, params, request.headers.get("accept", ""))
+            # A small image costs less to decode and encode than a hop to the thread pool and back.
+            inline = len(data) <= INLINE_CODEC_BYTES
+            async with self.dispatcher.slot() as slot:
+                shape = await _call(inline, self._decode_into, data, slot)
+                answer = await slot.submit(shape, request.scope["state"]["deadline"])
+                return await _call(inline, self._render, slot, answer, params, request.headers.get("accept", ""))
         except ApiError as error:
             return error.response()
 
-    def _claim_slot(self) -> int:
-        if self._free_slots is None:  # the first request in this front-end process: take its own range
-            size = self.server.slots_per_front_end
-            first = self.server.app.response_queue_id * size
-            self._free_slots = list(range(first, first + size))
-        return self._free_slots.pop()  # never empty: admission keeps fewer requests in flight than there are slots
+    def _decode_into(self, data: bytes, slot: Slot) -> tuple[int, ...]:
+        """Decode and validate the upload, straight into the request's slot; its shape is all that is queued."""
+        pixels = codec.decode_image(data, self.settings.max_image_pixels, self.settings.input_size)
+        slot.write(pixels)
+        return pixels.shape
 
-    async def _dispatch(self, payload: dict[str, Any]) -> Any:
-        """Queue the payload for a worker and wait for its answer, until the deadline or the worker's death."""
-        server, uid = self.server, uuid.uuid4().hex
-        slot, ticket = self._claim_slot(), next(self._tickets)
-        item = ResponseBufferItem(event=asyncio.Event())
-        server.response_buffer[uid] = item
-        submitted = time.monotonic()
-        payload["slot"] = (slot, ticket)  # where the worker that takes it marks itself (SharedState.mark_taken)
-        server.request_queue.put((server.app.response_queue_id, uid, submitted, payload))
-        try:
-            while not item.event.is_set():
-                remaining = payload["deadline"] - time.monotonic()
-                if remaining <= 0:
-                    metrics.REJECTED.labels("deadline").inc()
-                    raise ApiError(504, "deadline", "no answer before the request's deadline")
-                worker = self.state.taken_by(slot, ticket)
-                if worker is not None and self.state.lost_since(worker, submitted):
-                    metrics.REJECTED.labels("worker_lost").inc()
-                    raise ApiError(503, "worker_lost", "the inference worker died", self.settings.retry_after_s)
-                try:
-                    await asyncio.wait_for(item.event.wait(), timeout=min(remaining, WORKER_CHECK_S))
-                except TimeoutError:
-                    continue
-        finally:
-            server.response_buffer.pop(uid, None)
-            self._free_slots.append(slot)
-        output, status = item.response
-        if status == LitAPIStatus.ERROR or output is None:
-            raise ApiError(500, "internal_error", "the inference worker failed on this batch")
-        if isinstance(output, ApiError):
-            raise output
-        return output
-
-    def _render(self, output: np.ndarray, params: PredictParams, accept: str) -> Response:
+    def _render(self, slot: Slot, answer: Any, params: PredictParams, accept: str) -> Response:
+        output: np.ndarray = slot.result(answer)
         if output.dtype == np.uint8:
             fmt = codec.choose_format(params.format, accept, self.settings.output_format)
             body = codec.encode_image(output, fmt, params.quality or self.settings.jpeg_quality)
@@ -153,7 +124,7 @@ class Routes:
             return "draining"
         if not self.state.all_workers_alive:
             return "worker restarting"
-        status = dict(self.server.workers_setup_status)
+        status = self.setup_status()
         if not status or any(value != WorkerSetupStatus.READY for value in status.values()):
             return "model loading"
         return None
@@ -168,10 +139,10 @@ class Routes:
         return JSONResponse({"status": "alive"})
 
     async def info(self, request: Request) -> JSONResponse:
-        return JSONResponse(self.server.describe())
+        return JSONResponse(self.describe())
 
     async def metrics(self, request: Request) -> Response:
-        body = await run_in_threadpool(metrics.exposition, self.server.pod_collector)
+        body = await run_in_threadpool(self.metrics_body)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 

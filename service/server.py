@@ -5,11 +5,18 @@ Import it only after `PROMETHEUS_MULTIPROC_DIR` is set (the `imgserve serve` com
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+from collections.abc import AsyncIterator
+from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import litserve as ls
 import torch
+from litserve.transport.process_transport import MPQueueTransport
+from litserve.utils import WorkerSetupStatus
 from starlette.routing import Route
 
 from service import __version__, metrics
@@ -17,8 +24,10 @@ from service.admission import AdmissionMiddleware, queue_bound
 from service.api import ImageAPI
 from service.batching import AUTO_BATCH_CAP
 from service.config import Settings, usable_cpus
+from service.dispatch import Dispatcher
 from service.lifecycle import install_drain_on_sigterm, start_worker_monitor
 from service.models.loader import ModelLoadError, check_model_source
+from service.pixel_slots import create_directory, remove_directory
 from service.routes import Routes
 from service.state import SharedState
 
@@ -38,10 +47,8 @@ def resolve_device(device: str) -> str:
 class ImageServer(ls.LitServer):
     """LitServer with imgserve's own predict/health/info/metrics routes and admission in front."""
 
-    def __init__(self, settings: Settings) -> None:
-        import torch
-
-        self.settings = settings
+    def __init__(self, settings: Settings, slot_directory: Path) -> None:
+        self.settings, self.slot_directory = settings, slot_directory
         self.accelerator = resolve_device(settings.device)
         devices = torch.cuda.device_count() if self.accelerator == "cuda" else 1
         workers_per_device = settings.workers_on(self.accelerator)
@@ -49,10 +56,13 @@ class ImageServer(ls.LitServer):
         auto_batch = settings.max_batch_size == "auto"
         self.configured_batch_size = 1 if auto_batch else settings.max_batch_size
         largest_batch = AUTO_BATCH_CAP if auto_batch else settings.max_batch_size
-        self.slots_per_front_end = queue_bound(settings, self.worker_count, largest_batch)  # the most in flight
-        self.state = SharedState(self.worker_count, request_slots=self.slots_per_front_end * settings.api_servers)
+        # A front end may hold every admitted request, and as many again given up on whose workers still have them.
+        slots_per_front_end = 2 * queue_bound(settings, self.worker_count, largest_batch)
+        self.front_ends = settings.front_ends_on(self.accelerator)
+        self.state = SharedState(self.worker_count, request_slots=slots_per_front_end * self.front_ends)
+        self.dispatcher = Dispatcher(self.state, self.slot_directory, slots_per_front_end, settings.retry_after_s)
         self.torch_threads = max(1, usable_cpus() // self.worker_count)
-        api = ImageAPI(settings, self.state, self.configured_batch_size, self.torch_threads)
+        api = ImageAPI(settings, self.state, self.slot_directory, self.configured_batch_size, self.torch_threads)
         super().__init__(
             api,
             accelerator=self.accelerator,
@@ -66,7 +76,7 @@ class ImageServer(ls.LitServer):
         )
         self._monitor_workers = False  # imgserve's own monitor answers for the dead worker's requests
         self.pod_collector = metrics.PodCollector(
-            self.state, settings.model, settings.precision, self.device_names[0], __version__
+            self.state, slot_directory, settings.model, settings.precision, self.device_names[0], __version__
         )
         metrics.preregister()
 
@@ -74,7 +84,14 @@ class ImageServer(ls.LitServer):
         """Called by LitServer.__init__; our routes replace LitServe's /health and /info."""
 
     def _register_api_endpoints(self, lit_api: ls.LitAPI, request_type: Any, response_type: Any) -> None:
-        routes = Routes(self)
+        routes = Routes(
+            self.settings,
+            self.state,
+            self.dispatcher,
+            lambda: metrics.exposition(self.pod_collector),
+            self.describe,
+            lambda: dict(self.workers_setup_status),
+        )
         for path in ("/predict", "/v1/images:predict"):
             self.app.router.routes.append(Route(path, routes.predict, methods=["POST"]))
         for path, endpoint in (
@@ -96,6 +113,27 @@ class ImageServer(ls.LitServer):
     def device_names(self) -> list[str]:
         """LitServe keeps 'cpu' as a string and CUDA devices as one-element lists."""
         return [d if isinstance(d, str) else d[0] for d in self.devices]
+
+    def _init_manager(self, num_api_servers: int) -> Any:
+        """LitServe's Manager, with response queues imgserve keeps hold of (its reader thread reads them)."""
+        manager = super()._init_manager(num_api_servers)
+        self.response_queues = [manager.Queue() for _ in range(num_api_servers)]
+        self._transport = MPQueueTransport(manager, self.response_queues)
+        return manager
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: Any) -> AsyncIterator[None]:
+        """Each front end's start: its dispatcher threads instead of LitServe's thread hop per answer."""
+        front_end = app.response_queue_id
+        self.dispatcher.start(front_end, self.request_queue, self.response_queues[front_end])
+        yield
+
+    def restart_worker(self, index: int) -> BaseProcess:
+        return self.launch_single_inference_worker(self.lit_api, index)
+
+    def worker_starting(self, index: int) -> bool:
+        key = f"{self.lit_api.api_path.split('/')[-1]}_{index}"
+        return self.workers_setup_status.get(key) == WorkerSetupStatus.STARTING
 
     def _start_server(self, *args: Any, **kwargs: Any) -> Any:
         """Start the HTTP front ends (forked), then watch the inference workers."""
@@ -123,6 +161,7 @@ class ImageServer(ls.LitServer):
             "devices": self.device_names,
             "precision": self.settings.precision,
             "workers": self.worker_count,
+            "api_servers": self.front_ends,
             "torch_threads_per_worker": self.torch_threads,
             "max_batch_size": limits["max_batch_size"] or self.settings.max_batch_size,
             "batch_pixel_budget": limits["pixel_budget"],
@@ -143,13 +182,14 @@ def serve(settings: Settings) -> int:
     except ModelLoadError as exc:
         log.error("imgserve: %s", exc)
         return 2
-    server = ImageServer(settings)
-    install_drain_on_sigterm(server)
+    slot_directory = create_directory(os.getpid())
     try:
+        server = ImageServer(settings, slot_directory)
+        install_drain_on_sigterm(server)
         server.run(
             host=settings.host,
             port=settings.port,
-            num_api_servers=settings.api_servers,
+            num_api_servers=server.front_ends,
             log_level=settings.log_level,
             generate_client_file=False,
             access_log=settings.access_log,
@@ -157,4 +197,6 @@ def serve(settings: Settings) -> int:
     except RuntimeError as exc:  # a worker's setup failed: its log above says why
         log.error("imgserve: the model failed to load or warm up (%s)", exc)
         return 2
+    finally:
+        remove_directory(slot_directory)
     return server.state.exit_code

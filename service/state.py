@@ -20,7 +20,9 @@ class SharedState:
         self._pixel_budget = _ctx.Value("q", 0)
         self._alive = _ctx.Array("b", [1] * workers)
         self._lost_at = _ctx.Array("d", [0.0] * workers)
-        self._taken = _ctx.Array("q", request_slots, lock=False)  # one writer per slot at a time: no lock needed
+        # Per request slot (one writer at a time each: no lock): the front end's ticket, and who took it.
+        self._owner = _ctx.Array("q", request_slots, lock=False)
+        self._taken = _ctx.Array("q", request_slots, lock=False)
 
     # Admission: requests admitted and not yet answered.
     def try_admit(self, limit: int) -> bool:
@@ -79,10 +81,21 @@ class SharedState:
         """Did `worker` die after `since` (a time.monotonic() reading)?"""
         return self._lost_at[worker] > since
 
-    # Which worker took which request: a shared-memory write per request instead of a message through the queues.
-    def mark_taken(self, slot: int, ticket: int, worker: int) -> None:
-        """Worker `worker` took the request that its front end numbered `ticket` and placed in `slot`."""
+    # Which request is in which slot and which worker took it: shared-memory writes instead of queue messages.
+    def set_owner(self, slot: int, ticket: int) -> None:
+        """The front end put request `ticket` in `slot` (its pixels are in the slot's file)."""
+        self._owner[slot] = ticket
+
+    def owns(self, slot: int, ticket: int) -> bool:
+        """Is request `ticket` still the one in `slot`? (A request given up on long ago may have lost it.)"""
+        return self._owner[slot] == ticket
+
+    def mark_taken(self, slot: int, ticket: int, worker: int) -> bool:
+        """Worker `worker` takes request `ticket` from `slot`; False (and nothing marked) if the slot moved on."""
+        if not self.owns(slot, ticket):
+            return False
         self._taken[slot] = ticket << 8 | worker + 1
+        return True
 
     def taken_by(self, slot: int, ticket: int) -> int | None:
         """The worker holding request `ticket`, or None while it is queued (a stale ticket in the slot is ignored)."""

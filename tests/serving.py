@@ -7,6 +7,7 @@ import io
 import os
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.servers import RunningServer, free_port, imgserve_command, stop
 from loadtests.servers import wait_ready as _wait_ready
+from service.pixel_slots import server_directory
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
@@ -36,6 +38,28 @@ class Server(RunningServer):
             for sample in family.samples
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
         )
+
+    def slots_freed(self, timeout: float = 20) -> bool:
+        """Wait until no shared-memory slot is held (every answer, even to given-up requests, came back)."""
+        deadline = time.monotonic() + timeout
+        while self.metric("imgserve_slots_in_use") != 0:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)
+        return True
+
+    @property
+    def slot_directory(self) -> Path:
+        """Where this server's request slots live in /dev/shm."""
+        return server_directory(self.process.pid)
+
+    def tree_rss(self) -> int:
+        """Resident memory of the whole process tree, in bytes."""
+        total = 0
+        for process in self.tree():
+            with contextlib.suppress(psutil.Error):
+                total += process.memory_info().rss
+        return total
 
     def descendants(self) -> set[int]:
         """PIDs of every process below the server's main process."""

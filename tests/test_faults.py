@@ -78,6 +78,7 @@ def test_deadline_passed_in_queue_is_504_and_never_computed(tmp_path, toy_model)
         time.sleep(1.5)  # let the worker reach the expired request
         assert server.metric("imgserve_batch_size_sum") - images_before == 1, "the expired request was computed"
         assert server.metric("imgserve_rejected_total", reason="deadline") >= 1
+        assert server.slots_freed(), "the given-up request's slot was not freed when its worker dropped it"
 
 
 def test_predict_running_past_the_deadline_does_not_hang_its_client(tmp_path, toy_model) -> None:
@@ -89,6 +90,9 @@ def test_predict_running_past_the_deadline_does_not_hang_its_client(tmp_path, to
         )
         assert response.status_code == 504
         assert time.perf_counter() - started < 3
+        # The worker still has the request: its slot must not be reused before the worker is done with it.
+        assert server.metric("imgserve_slots_in_use") == 1
+        assert server.slots_freed(timeout=15)
 
 
 def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path, toy_model) -> None:
@@ -122,6 +126,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path, toy_model) 
         orphans = [pid for pid in children if os.path.exists(f"/proc/{pid}") and _state(pid) != "Z"]
         assert orphans == [], f"processes left behind: {orphans}"
         assert "Traceback" not in server.log()
+        assert not server.slot_directory.exists(), "the shared-memory slots outlived the server"
     finally:
         stop_server(server)
 
@@ -157,6 +162,7 @@ def test_killed_worker_answers_its_requests_and_is_restarted(tmp_path, toy_model
             httpx.post(f"{server.url}/predict", content=image_bytes(8, 8), headers=PNG, timeout=30).status_code == 200
         )
         assert server.metric("imgserve_worker_restarts_total") == 1
+        assert server.slots_freed(), "the dead worker's slot was not freed"
 
 
 def test_model_error_fails_only_that_request(tmp_path, toy_model) -> None:
@@ -174,6 +180,7 @@ def test_model_error_fails_only_that_request(tmp_path, toy_model) -> None:
         statuses = [r.status_code for r in asyncio.run(scenario())]
         assert statuses == [500, 200, 200, 500, 200]
         assert server.metric("imgserve_batch_size_count") < 5, "the requests were not batched together"
+        assert server.slots_freed(timeout=2)
 
 
 def test_out_of_memory_splits_the_batch_and_retries(tmp_path, toy_model) -> None:

@@ -57,6 +57,8 @@ def setup(manager, monkeypatch):
     """The loop as worker 3 runs it, its queues, and the shared state with one slot per request of these tests."""
     monkeypatch.setenv("LITSERVE_WORKER_ID", str(WORKER))  # what litserve's inference_worker sets
     state = SharedState(workers=WORKER + 1, request_slots=8)
+    for slot in range(8):
+        state.set_owner(slot, 100 + slot)  # what each request's front end did when it put it in its slot
     requests, answers = RecordingQueue(manager.Queue()), manager.Queue()
     return GatheringLoop(state), state, requests, MPQueueTransport(manager, [answers]), answers
 
@@ -120,9 +122,22 @@ def test_a_batch_waits_within_its_window_for_requests_already_admitted(setup) ->
     assert taken(state) == [0, 1]
 
 
+def test_a_request_whose_slot_moved_on_is_dropped_and_the_next_one_taken(setup) -> None:
+    loop, state, requests, transport, answers = setup
+    state.set_owner(1, 999)  # its front end gave request 101 up long ago and put request 999 in slot 1
+    requests.put(request(1, time.monotonic()))
+    requests.put(request(2, time.monotonic()))
+    admit(state, 2)
+    batch, _ = loop.get_batch_requests(Echo(max_batch_size=8, batch_timeout=0.05), requests, transport)
+    assert [uid for _, uid, _ in batch] == ["u2"]
+    assert state.taken_by(1, 101) is None and state.taken_by(1, 999) is None, "slot 1's new request is untouched"
+    assert answers.empty()
+
+
 def test_a_stale_ticket_in_a_reused_slot_is_not_taken_for_the_new_request() -> None:
     state = SharedState(workers=2, request_slots=4)
-    state.mark_taken(2, ticket=7, worker=1)
+    state.set_owner(2, 7)
+    assert state.mark_taken(2, ticket=7, worker=1)
     assert state.taken_by(2, ticket=7) == 1
     assert state.taken_by(2, ticket=9) is None, "slot 2 now holds request 9, still queued"
     assert state.taken_by(3, ticket=7) is None

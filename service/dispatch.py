@@ -1,0 +1,192 @@
+"""The front end's side of the hand-off to the inference workers: slots, small messages, answers.
+
+This replaces two pieces of LitServe 0.2.19 (pinned `<0.3`) behind one seam. LitServe puts each request on its
+Manager queue from the event loop (a blocking round trip) and reads each answer with its own
+`asyncio.to_thread(queue.get)`. Here one sender thread and one reader thread per front end talk to the queues, and
+the event loop only hands messages to them. The pixels themselves go through the request's shared-memory slot
+(`pixel_slots`); a slot is reused only once its worker has answered (or died), never while a worker may still
+read or write it, even when the client has long had its 504.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from litserve.utils import LitAPIStatus
+
+from service import metrics
+from service.errors import ApiError
+from service.pixel_slots import InSlot, SlotFiles
+from service.state import SharedState
+
+log = logging.getLogger(__name__)
+WORKER_CHECK_S = 0.25  # how often a waiting request looks for its worker's death
+ORPHAN_GRACE_S = 10.0  # a slot whose request no worker ever took is freed this long after the deadline
+IDLE_SLOT_S = 5.0  # a free slot unused this long gives its memory back (so a burst's /dev/shm use ends with it)
+
+
+@dataclass
+class _Pending:
+    """A request handed to the workers whose answer has not come yet (its handler may have given up on it)."""
+
+    uid: str
+    slot: int
+    ticket: int
+    submitted: float
+    deadline: float
+    answer: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    given_up: bool = False
+
+
+class Slot:
+    """One request's slot while its handler holds it: write the pixels, submit, read the answer."""
+
+    def __init__(self, dispatcher: Dispatcher, index: int, ticket: int) -> None:
+        self.dispatcher, self.index, self.ticket = dispatcher, index, ticket
+        self.pending: _Pending | None = None
+
+    def write(self, pixels: np.ndarray) -> None:
+        self.dispatcher.files.write(self.index, pixels)
+
+    async def submit(self, shape: tuple[int, ...], deadline: float, **fields: Any) -> Any:
+        """Queue the request for a worker and wait for its answer, until the deadline or the worker's death."""
+        return await self.dispatcher.submit(self, shape, deadline, fields)
+
+    def result(self, answer: Any) -> Any:
+        """The worker's answer, read from the slot when it lies there."""
+        if isinstance(answer, InSlot):
+            return self.dispatcher.files.read(self.index, answer.shape, answer.dtype)
+        return answer
+
+
+class Dispatcher:
+    """Built in the main process, started in each forked front end (`start`), used by its request handlers."""
+
+    def __init__(self, state: SharedState, directory: Path, slots_per_front_end: int, retry_after_s: int) -> None:
+        self.state, self.directory, self.slots_per_front_end = state, directory, slots_per_front_end
+        self.retry_after_s = retry_after_s
+
+    def start(self, front_end: int, request_queue: Any, response_queue: Any) -> None:
+        """In the front-end process, on its event loop: claim its slot range and start the two queue threads."""
+        self.files = SlotFiles(self.directory)
+        first = front_end * self.slots_per_front_end
+        self._free = list(range(first, first + self.slots_per_front_end))
+        self._freed_at: dict[int, float] = {}  # free slots that still hold data, and since when
+        self._tickets = itertools.count(1)
+        self._pending: dict[str, _Pending] = {}
+        self._front_end, self._request_queue = front_end, request_queue
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop = asyncio.get_running_loop()
+        threading.Thread(target=self._send_forever, name="imgserve-sender", daemon=True).start()
+        threading.Thread(target=self._read_forever, args=(response_queue,), name="imgserve-reader", daemon=True).start()
+        self._sweeper = self._loop.create_task(self._sweep())
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[Slot]:
+        """A free slot for one request; freed on the way out, or left to its worker's answer if one may come."""
+        if not self._free:
+            metrics.REJECTED.labels("queue_full").inc()
+            raise ApiError(503, "queue_full", "every request slot of this front end is in use", self.retry_after_s)
+        index = self._free.pop()  # last freed first: the slots in use stay few and warm
+        self._freed_at.pop(index, None)
+        metrics.SLOTS_IN_USE.inc()
+        slot = Slot(self, index, next(self._tickets))
+        self.state.set_owner(index, slot.ticket)
+        try:
+            yield slot
+        finally:
+            if slot.pending is None or slot.pending.answer.done():
+                self._release(index)
+            else:  # a worker has it or may still take it: the slot waits for that answer, or the worker's death
+                slot.pending.given_up = True
+
+    async def submit(self, slot: Slot, shape: tuple[int, ...], deadline: float, fields: dict[str, Any]) -> Any:
+        uid, now = uuid.uuid4().hex, time.monotonic()
+        pending = slot.pending = self._pending[uid] = _Pending(uid, slot.index, slot.ticket, now, deadline)
+        payload = {"slot": (slot.index, slot.ticket), "shape": shape, "deadline": deadline, "admitted": now, **fields}
+        self._outbox.put((self._front_end, uid, now, payload))
+        output, status = await self._wait(pending)
+        if status == LitAPIStatus.ERROR or output is None:
+            raise ApiError(500, "internal_error", "the inference worker failed on this batch")
+        if isinstance(output, ApiError):
+            raise output
+        return output
+
+    async def _wait(self, pending: _Pending) -> tuple[Any, Any]:
+        while not pending.answer.done():
+            remaining = pending.deadline - time.monotonic()
+            if remaining <= 0:
+                metrics.REJECTED.labels("deadline").inc()
+                raise ApiError(504, "deadline", "no answer before the request's deadline")
+            if self._lost(pending):
+                metrics.REJECTED.labels("worker_lost").inc()
+                raise ApiError(503, "worker_lost", "the inference worker died", self.retry_after_s)
+            await asyncio.wait((pending.answer,), timeout=min(remaining, WORKER_CHECK_S))
+        return pending.answer.result()
+
+    def _lost(self, pending: _Pending) -> bool:
+        worker = self.state.taken_by(pending.slot, pending.ticket)
+        return worker is not None and self.state.lost_since(worker, pending.submitted)
+
+    def _release(self, index: int) -> None:
+        self.files.trim(index)
+        self._free.append(index)
+        self._freed_at[index] = time.monotonic()
+        metrics.SLOTS_IN_USE.dec()
+
+    def _deliver(self, uid: str, output: Any, status: Any) -> None:
+        """On the event loop, from the reader thread: wake the handler, or free a given-up request's slot."""
+        pending = self._pending.pop(uid, None)
+        if pending is None:
+            return  # an answer for a request whose slot was already freed (its worker was given up on)
+        pending.answer.set_result((output, status))
+        if pending.given_up:
+            self._release(pending.slot)
+
+    async def _sweep(self) -> None:
+        """Once a second: free the slots of given-up requests whose answer will never come (their worker died, or
+        none took it), and empty the free slots that have not been used for a while."""
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for index, freed_at in list(self._freed_at.items()):
+                if now - freed_at > IDLE_SLOT_S:
+                    self.files.trim(index, keep_bytes=0)
+                    del self._freed_at[index]
+            for pending in [p for p in self._pending.values() if p.given_up]:
+                taken = self.state.taken_by(pending.slot, pending.ticket) is not None
+                if self._lost(pending) or (not taken and now > pending.deadline + ORPHAN_GRACE_S):
+                    del self._pending[pending.uid]
+                    self._release(pending.slot)
+
+    # The two queue threads.
+    def _send_forever(self) -> None:
+        while True:
+            message = self._outbox.get()
+            try:
+                self._request_queue.put(message)
+            except (OSError, EOFError):  # the queue process is gone: the server is stopping
+                return
+
+    def _read_forever(self, response_queue: Any) -> None:
+        while True:
+            try:
+                message = response_queue.get()
+            except (OSError, EOFError):
+                return
+            if message is None:  # LitServe's shutdown sentinel
+                return
+            uid, (output, status, *_) = message
+            self._loop.call_soon_threadsafe(self._deliver, uid, output, status)

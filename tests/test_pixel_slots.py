@@ -1,0 +1,198 @@
+"""Pixels through shared-memory slots: what crosses LitServe's queues is small, slots are freed on every path, and
+/dev/shm and memory are back at their baseline after a flood, a kill -9 of a worker and a SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from litserve.utils import LitAPIStatus
+from serving import image_bytes, start_server, stop_server, wait_ready
+
+from loadtests.closed_loop import run_closed_loop
+from loadtests.images import square_jpegs
+from service import pixel_slots
+from service.api import ImageAPI
+from service.batching import BatchRunner, InMemory
+from service.config import Settings
+from service.dispatch import Dispatcher
+from service.errors import ApiError
+from service.models.denoiser import build_denoiser
+from service.pixel_slots import InSlot, SlotFiles
+from service.state import SharedState
+
+SMALL_MESSAGE = 1024  # bytes: a request or an answer as it crosses the queues, whatever the image size
+
+
+@pytest.fixture
+def slot_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "slots"
+    directory.mkdir()
+    return directory
+
+
+@pytest.fixture(scope="module")
+def manager() -> Iterator[object]:
+    with mp.get_context("spawn").Manager() as running:
+        yield running
+
+
+def test_a_slot_round_trips_arrays_and_gives_big_ones_memory_back(slot_dir: Path) -> None:
+    files = SlotFiles(slot_dir)
+    image = np.random.default_rng(0).integers(0, 256, (300, 200, 3), dtype=np.uint8)
+    files.write(3, image)
+    assert (files.read(3, image.shape) == image).all()
+    assert pixel_slots.bytes_in_use(slot_dir) >= image.nbytes
+    files.trim(3)  # under KEEP_BYTES: kept for the next request
+    assert pixel_slots.bytes_in_use(slot_dir) >= image.nbytes
+    files.trim(3, keep_bytes=0)
+    assert pixel_slots.bytes_in_use(slot_dir) == 0
+    with pytest.raises(ApiError):  # the slot is empty now: a short read is an error, not garbage
+        files.read(3, image.shape)
+    files.close()
+
+
+def test_a_new_server_removes_the_slots_of_dead_servers_only(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(pixel_slots, "SHM_ROOT", tmp_path)
+    dead = mp.get_context("spawn").Process(target=time.sleep, args=(0,))
+    dead.start()
+    dead.join()
+    (tmp_path / f"imgserve-{dead.pid}").mkdir()
+    (tmp_path / f"imgserve-{os.getppid()}").mkdir()  # a live process's
+    mine = pixel_slots.create_directory(os.getpid())
+    assert mine.is_dir()
+    assert not (tmp_path / f"imgserve-{dead.pid}").exists()
+    assert (tmp_path / f"imgserve-{os.getppid()}").exists()
+
+
+def test_the_worker_reads_pixels_from_the_slot_and_answers_with_a_few_bytes(slot_dir: Path) -> None:
+    settings = Settings(max_batch_size=4)
+    state = SharedState(workers=1, request_slots=8)
+    api = ImageAPI(settings, state, slot_dir, batch_size=4, torch_threads=1)
+    api.setup("cpu")
+    images = [np.random.default_rng(i).integers(0, 256, (256, 320, 3), dtype=np.uint8) for i in range(3)]
+    files, requests = SlotFiles(slot_dir), []
+    for slot, image in enumerate(images):
+        files.write(slot, image)
+        state.set_owner(slot, 10 + slot)
+        requests.append({"slot": (slot, 10 + slot), "shape": image.shape, "deadline": time.monotonic() + 30})
+        requests[-1]["admitted"] = time.monotonic()
+    answers = api.predict(api.batch([api.decode_request(r) for r in requests]))
+    expected = BatchRunner(build_denoiser(), api.runner.device, channels_last=True)([InMemory(i) for i in images])
+    for slot, (request, answer) in enumerate(zip(requests, answers, strict=True)):
+        assert isinstance(answer, InSlot) and answer.shape == images[slot].shape
+        assert len(pickle.dumps(request)) < SMALL_MESSAGE and len(pickle.dumps(answer)) < SMALL_MESSAGE
+        output = files.read(slot, answer.shape, answer.dtype)
+        assert np.abs(output.astype(int) - expected[slot].astype(int)).max() <= 1
+
+
+def test_a_result_is_not_written_into_a_slot_that_moved_on(slot_dir: Path) -> None:
+    state = SharedState(workers=1, request_slots=2)
+    api = ImageAPI(Settings(), state, slot_dir, batch_size=1, torch_threads=1)
+    api.slots = SlotFiles(slot_dir)
+    state.set_owner(0, 99)  # the front end gave request 5 up and put request 99 in slot 0
+    answer = api._place({"slot": (0, 5)}, np.ones((200, 200, 3), dtype=np.uint8))
+    assert isinstance(answer, ApiError) and pixel_slots.bytes_in_use(slot_dir) == 0
+
+
+def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its_answer(
+    slot_dir: Path, manager
+) -> None:
+    """Plays the worker by hand on real Manager queues."""
+    state = SharedState(workers=1, request_slots=4)
+    requests, answers = manager.Queue(), manager.Queue()
+    dispatcher = Dispatcher(state, slot_dir, slots_per_front_end=2, retry_after_s=1)
+    image = np.random.default_rng(1).integers(0, 256, (512, 512, 3), dtype=np.uint8)
+
+    async def handler(timeout: float) -> object:
+        async with dispatcher.slot() as slot:
+            slot.write(image)
+            return slot.result(await slot.submit(image.shape, time.monotonic() + timeout))
+
+    def work(message: tuple) -> None:
+        """What a worker does: read the slot, write the answer into it, send a small answer."""
+        _, uid, _, payload = message
+        index, ticket = payload["slot"]
+        assert state.mark_taken(index, ticket, worker=0)
+        files = SlotFiles(slot_dir)
+        pixels = files.read(index, payload["shape"])
+        files.write(index, 255 - pixels)
+        answers.put((uid, (InSlot(pixels.shape, "|u1"), LitAPIStatus.OK, None, 0)))
+
+    async def scenario() -> None:
+        dispatcher.start(0, requests, answers)
+        task = asyncio.create_task(handler(timeout=30))
+        message = await asyncio.to_thread(requests.get, timeout=5)
+        assert len(pickle.dumps(message)) < SMALL_MESSAGE, "pixels went through the queue"
+        await asyncio.to_thread(work, message)
+        assert (await task == 255 - image).all()
+        assert state.queue_depth == 0 and len(dispatcher._free) == 2
+
+        # Given up (deadline) while the worker still has it: the slot waits for the worker's answer.
+        late = asyncio.create_task(handler(timeout=0.3))
+        message = await asyncio.to_thread(requests.get, timeout=5)
+        with pytest.raises(ApiError) as error:
+            await late
+        assert error.value.status == 504 and len(dispatcher._free) == 1
+        await asyncio.to_thread(work, message)
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            if len(dispatcher._free) == 2:
+                break
+        assert len(dispatcher._free) == 2, "the slot was not freed when the late answer came"
+
+        # Every slot held: the next request is shed, not queued without a slot.
+        blockers = [asyncio.create_task(handler(timeout=30)) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        with pytest.raises(ApiError) as error:
+            await handler(timeout=30)
+        assert (error.value.status, error.value.code) == (503, "queue_full")
+        for _ in blockers:
+            await asyncio.to_thread(work, await asyncio.to_thread(requests.get, timeout=5))
+        await asyncio.gather(*blockers)
+        answers.put(None)  # LitServe's shutdown sentinel ends the reader thread
+        requests.put(None)
+
+    asyncio.run(scenario())
+
+
+def _shm_entries() -> set[str]:
+    return {p.name for p in pixel_slots.SHM_ROOT.glob(f"{pixel_slots.PREFIX}*")}
+
+
+def test_after_a_flood_a_kill_and_a_sigterm_shared_memory_and_rss_are_back_at_baseline(tmp_path: Path) -> None:
+    before = _shm_entries()
+    server = start_server({"max_batch_size": 4, "drain_timeout_s": 20}, tmp_path)
+    try:
+        wait_ready(server)
+        url = f"{server.url}/predict"
+        assert httpx.post(url, content=image_bytes(64, 64), headers={"Content-Type": "image/png"}).status_code == 200
+        baseline = server.tree_rss()
+        big = square_jpegs(768, count=2)
+        flood = run_closed_loop(url, users=32, seconds=6, images=big)
+        assert flood.failed == 0 and flood.answered, flood.errors()
+        assert server.metric("imgserve_shared_memory_bytes") > 0, "the images did not go through shared memory"
+
+        os.kill(server.worker_pids()[0], signal.SIGKILL)
+        after_kill = run_closed_loop(url, users=16, seconds=3, images=big)
+        assert after_kill.failed == 0 and {o.status for o in after_kill.outcomes} <= {200, 503}, after_kill.errors()
+        wait_ready(server, timeout=60)
+        assert server.slots_freed(), "a slot is still held after every answer came back"
+
+        time.sleep(8)  # idle: free slots empty themselves, idle workers give their batch memory back
+        assert server.metric("imgserve_shared_memory_bytes") == 0
+        assert server.tree_rss() < baseline * 1.3, (baseline, server.tree_rss())
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=30) == 0
+        assert _shm_entries() == before, "the server left shared memory behind"
+    finally:
+        stop_server(server)
