@@ -250,11 +250,11 @@ def run_overhead(plan: Plan, log_dir: Path, env: dict[str, str] | None = None) -
         info = server_info(server)
         for side in plan.sides:
             images = square_jpegs(side)
-            print(f"{side}px: in-process limit ({plan.limit_seconds:g} s per run)...", flush=True)
+            print(f"{side}px: in-process limit ({plan.limit_seconds:g} s per run)...", file=sys.stderr, flush=True)
             before = _limit_pair(pipeline, images, plan.limit_seconds)
             for users in (u for s, u in plan.cells if s == side):
                 cells.append(_measure_cell(server, side, users, images, plan))
-                print(f"  {side}px users {users:3d}: {_summary(cells[-1])}", flush=True)
+                print(f"  {side}px users {users:3d}: {_summary(cells[-1])}", file=sys.stderr, flush=True)
             limits[side] = SideLimits(before, _limit_pair(pipeline, images, plan.limit_seconds))
     return OverheadRun(plan, limits, cells, info)
 
