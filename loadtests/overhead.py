@@ -41,6 +41,7 @@ SIDES = (128, 512, 1024)
 CONCURRENCIES = (1, 16, 64)
 JPEG_QUALITY = Settings().jpeg_quality  # imgserve's default answer quality
 MAX_IMAGES_PER_THREAD = 100_000
+MAX_WARMUP_S = 10.0
 
 
 class Clamp(torch.nn.Module):
@@ -159,6 +160,10 @@ class Plan:
         """Only the cells the targets read, for a short run (the GPU check on a CPU)."""
         return cls(tuple(sorted({(t.side, t.users) for t in TARGETS})), seconds, seconds / 3, seconds / 2)
 
+    def warmup_for(self, users: int, limit_per_s: float) -> float:
+        """Long enough for every user's first answer (two rounds at the limit's rate), so the window is steady."""
+        return min(max(self.warmup_s, 2 * users / max(limit_per_s, 1e-3)), MAX_WARMUP_S)
+
     @property
     def sides(self) -> tuple[int, ...]:
         return tuple(sorted({side for side, _ in self.cells}))
@@ -253,7 +258,8 @@ def run_overhead(plan: Plan, log_dir: Path, env: dict[str, str] | None = None) -
             print(f"{side}px: in-process limit ({plan.limit_seconds:g} s per run)...", file=sys.stderr, flush=True)
             before = _limit_pair(pipeline, images, plan.limit_seconds)
             for users in (u for s, u in plan.cells if s == side):
-                cells.append(_measure_cell(server, side, users, images, plan))
+                warmup_s = plan.warmup_for(users, before[1].images_per_s)
+                cells.append(_measure_cell(server, side, users, images, plan.seconds, warmup_s))
                 print(f"  {side}px users {users:3d}: {_summary(cells[-1])}", file=sys.stderr, flush=True)
             limits[side] = SideLimits(before, _limit_pair(pipeline, images, plan.limit_seconds))
     return OverheadRun(plan, limits, cells, info)
@@ -268,13 +274,13 @@ def _limit_pair(pipeline: InProcess, images: tuple[SampleImage, ...], seconds: f
     return measure_inprocess(pipeline, images, 1, seconds), measure_inprocess(pipeline, images, 2, seconds)
 
 
-def _measure_cell(server: RunningServer, side: int, users: int, images: tuple[SampleImage, ...], plan: Plan) -> Cell:
+def _measure_cell(
+    server: RunningServer, side: int, users: int, images: tuple[SampleImage, ...], seconds: float, warmup_s: float
+) -> Cell:
     client = psutil.Process()
     cpu_before, started = sum(client.cpu_times()[:2]), time.perf_counter()
     with ResourceSampler(server) as sampler:
-        result = run_closed_loop(
-            server.url + "/predict", users, plan.seconds, plan.warmup_s, images=images, decode_answers=False
-        )
+        result = run_closed_loop(server.url + "/predict", users, seconds, warmup_s, images=images, decode_answers=False)
     cores = (sum(client.cpu_times()[:2]) - cpu_before) / (time.perf_counter() - started)
     return Cell(side, result, sampler.peak_rss_bytes, cores)
 
@@ -298,7 +304,8 @@ def render(run: OverheadRun, command: str, host: str) -> str:
         f"Command: `{command}`  ",
         f"Machine: {host}  ",
         f"Run: {datetime.datetime.now().isoformat(timespec='minutes')}, closed loop, {plan.seconds:g} s per cell "
-        f"after {plan.warmup_s:g} s warm-up, 4 seeded synthetic JPEGs per size as multipart, answers checked "
+        f"after a warm-up of {plan.warmup_s:g} s or two rounds of the users at the limit's rate (<= {MAX_WARMUP_S:g} s)"
+        ", 4 seeded synthetic JPEGs per size as multipart, answers checked "
         f"(status, JPEG header, size); in-process limit {plan.limit_seconds:g} s per run, before and after imgserve.  ",
         f"Model: TorchScript `x.clamp(0, 1)`; imgserve: {settings or 'defaults'}.",
         "",
