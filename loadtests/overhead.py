@@ -105,12 +105,12 @@ def measure_inprocess(pipeline: InProcess, images: tuple[SampleImage, ...], thre
 
     def worker(index: int) -> None:
         own = images[index::threads] or images
-        for done in range(MAX_IMAGES_PER_THREAD):
-            if time.perf_counter() >= stop_at:
-                return
+        for done in range(MAX_IMAGES_PER_THREAD):  # at least one image each, however late the thread starts
             started = time.perf_counter()
             pipeline.run(own[done % len(own)].data)
             times[index].append(time.perf_counter() - started)
+            if time.perf_counter() >= stop_at:
+                return
 
     with _torch_threads(1):
         started = time.perf_counter()
