@@ -113,9 +113,10 @@ def info(server: RunningServer) -> dict:
 
 def metric_samples(server: RunningServer) -> dict[str, float]:
     """Every sample on /metrics, summed over labels, by sample name."""
-    text = httpx.get(server.url + "/metrics", timeout=10).text
+    response = httpx.get(server.url + "/metrics", timeout=10)
+    response.raise_for_status()
     sums: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
+    for family in text_string_to_metric_families(response.text):
         for sample in family.samples:
             sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
     return sums
@@ -163,9 +164,12 @@ def check_default_server(context: Context) -> list[Row]:
         if context.cuda:
             context.reference_png = predict_png(server, image)
             present = [name for name in NVML_METRICS if name in metric_samples(server)]
+            found = f"{len(present)} of {len(NVML_METRICS)} present" + (
+                "" if present else " (is imgserve[gpu] installed?)"
+            )
             rows = [
                 Row.of(CUDA, f"/info device {device}", device.startswith("cuda")),
-                Row.of(NVML, f"{len(present)} of {len(NVML_METRICS)} present", len(present) == len(NVML_METRICS)),
+                Row.of(NVML, found, len(present) == len(NVML_METRICS)),
             ]
         alone, together = seed_ratio(server, image, rounds=10 if context.cuda else 3)
     ratio = together / alone
@@ -206,7 +210,7 @@ class MemoryWatch:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            with contextlib.suppress(httpx.HTTPError):
+            with contextlib.suppress(httpx.HTTPError, ValueError):
                 used = metric_samples(self.server).get("imgserve_gpu_memory_used_bytes", 0.0)
                 self.peak = max(self.peak, used)
             self._stop.wait(self.interval_s)

@@ -90,8 +90,8 @@ def test_imgserve_is_held_to_the_higher_of_the_two_limit_measurements() -> None:
 
 def test_a_retry_storm_resends_at_once_where_polite_clients_wait(imgserve: RunningServer) -> None:
     url = imgserve.url + "/predict"
-    polite = run_closed_loop(url, users=100, seconds=2)
-    storm = run_closed_loop(url, users=100, seconds=2, retry_at_once=True)
+    polite = run_closed_loop(url, users=200, seconds=2)
+    storm = run_closed_loop(url, users=200, seconds=2, retry_at_once=True)
     assert polite.failed == storm.failed == 0
     assert polite.shed > 0 and len(storm.answered) > 0
     assert storm.shed >= 3 * polite.shed  # polite users wait Retry-After (1 s) after each 503
