@@ -3,8 +3,11 @@
 `python -m loadtests.bench [--quick] --out loadtests/results/bench.md`
 
 Each server is started by the harness on a free loopback port, warmed up, driven by the closed-loop client
-at each concurrency (plus a 10x overload), and killed with its whole process tree. The markdown table with
-the ratios imgserve/limit, imgserve/baseline and imgserve/plain LitServe is printed and written to --out.
+at each concurrency (plus a 10x overload; imgserve also under a retry storm: 10x overload with clients that
+resend at once on 503), and killed with its whole process tree. The markdown table with the ratios
+imgserve/limit, imgserve/baseline and imgserve/plain LitServe is printed and written to --out.
+
+`python -m loadtests.bench --overhead [--quick]` runs the overhead benchmark instead (loadtests/overhead.py).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from loadtests.servers import ResourceSampler, free_port, imgserve_command, runn
 CONCURRENCIES = (1, 3, 20, 64)
 OVERLOAD_FACTOR = 10
 BASELINE, PLAIN, IMGSERVE = "FastAPI baseline", "plain LitServe", "imgserve"
+STORM = "imgserve, retrying at once"  # the same server under the overload, with clients that resend on 503 at once
+GOODPUT_FACTOR = 0.6
 
 
 @dataclass(frozen=True)
@@ -87,7 +92,10 @@ class Plan:
 
 
 def bench_server(contender: Contender, plan: Plan, log_dir: Path) -> tuple[list[Cell], dict]:
-    """Start `contender`, warm it up, run every cell, stop it; returns the cells and its GET /info (or {})."""
+    """Start `contender`, warm it up, run every cell, stop it; returns the cells and its GET /info (or {}).
+
+    imgserve also gets the retry-storm cell: the overload's users resending at once on 503/504.
+    """
     port = free_port()
     with running_server(contender.command(port), port, log_dir / f"{port}.log", contender.ready_path) as server:
         info = {}
@@ -96,13 +104,16 @@ def bench_server(contender: Contender, plan: Plan, log_dir: Path) -> tuple[list[
         url = server.url + "/predict"
         run_closed_loop(url, users=4, seconds=plan.warmup_s)
         cells, client = [], psutil.Process()
-        for users in plan.concurrencies:
+        runs = [(contender.name, users, False) for users in plan.concurrencies]
+        if contender.name == IMGSERVE:
+            runs.append((STORM, plan.overload, True))
+        for name, users, retry_at_once in runs:
             cpu_before, started = sum(client.cpu_times()[:2]), time.perf_counter()
             with ResourceSampler(server) as sampler:
-                result = run_closed_loop(url, users, plan.seconds, plan.warmup_s)
+                result = run_closed_loop(url, users, plan.seconds, plan.warmup_s, retry_at_once=retry_at_once)
             cores = (sum(client.cpu_times()[:2]) - cpu_before) / (time.perf_counter() - started)
-            cells.append(Cell(contender.name, result, sampler.peak_rss_bytes, sampler.peak_gpu_bytes, cores))
-            print(f"  {contender.name:17s} users {users:4d}: {_summary(cells[-1])}", flush=True)
+            cells.append(Cell(name, result, sampler.peak_rss_bytes, sampler.peak_gpu_bytes, cores))
+            print(f"  {name:26s} users {users:4d}: {_summary(cells[-1])}", flush=True)
     return cells, info
 
 
@@ -159,7 +170,16 @@ def _targets(plan: Plan, limit: float, by_key: dict[tuple[str, int], Cell]) -> l
             f"- {name} accepted p99 under {plan.overload} users vs at capacity ({at_capacity.users} users): "
             f"{_ms(p99_over)} vs {_ms(p99_cap)} ms ({growth}){verdict}"
         )
+    capacity, storm = by_key[IMGSERVE, top].result, by_key[STORM, plan.overload].result
+    met = storm.rps >= GOODPUT_FACTOR * capacity.rps
+    lines.append(
+        f"- goodput at {plan.overload} users ({OVERLOAD_FACTOR}x overload) with immediate retries >= "
+        f"{GOODPUT_FACTOR}x capacity ({top} users): {storm.rps:.1f} vs {capacity.rps:.1f}/s "
+        f"({_ratio(storm.rps, capacity.rps)}; {storm.shed} rejections, {storm.shed / plan.seconds:.0f}/s) "
+        f"— **{'met' if met else 'missed'}**"
+    )
     failed = {name: sum(c.result.failed for c in by_key.values() if c.server == name) for name in by_name}
+    failed[IMGSERVE] += storm.failed
     lines.append(
         f"- failed requests other than 503/504: imgserve {failed[IMGSERVE]} — "
         f"**{'met' if failed[IMGSERVE] == 0 else 'missed'}** (baseline {failed[BASELINE]}, "
@@ -198,7 +218,8 @@ def render(plan: Plan, limits: Limits, cells: list[Cell], info: dict, command: s
         f"Machine: {host}  ",
         f"Run: {datetime.datetime.now().isoformat(timespec='minutes')}, closed loop, {plan.seconds:g} s per cell "
         f"after {plan.warmup_s:g} s warm-up, 8 mixed-size images (64x64 to 192x192, JPEG/PNG) as multipart, "
-        "JPEG answers checked (decodes, right size); rejected clients wait Retry-After (<= 1 s).  ",
+        "JPEG answers checked (decodes, right size); rejected clients wait Retry-After (<= 1 s), except in the "
+        f"retry storm ({STORM!r}: the overload's users resend at once on 503/504; answers/s there is the goodput).  ",
         f"In-process limit, measured right before imgserve: **{limit.images_per_s:.1f} images/s** "
         f"(best batch {limit.best_batch}; images/s by batch {by_batch}); right after imgserve: "
         f"{limits.after_images_per_s:.1f}; ratios use the higher, {reference:.1f}. The same in NCHW memory, as the "
@@ -242,8 +263,15 @@ def render(plan: Plan, limits: Limits, cells: list[Cell], info: dict, command: s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short cells at 1 and 20 users (+10x): a smoke run")
-    parser.add_argument("--out", type=Path, default=Path("loadtests/results/bench.md"), help="markdown report")
+    parser.add_argument("--out", type=Path, default=None, help="markdown report (default loadtests/results/...)")
+    parser.add_argument("--overhead", action="store_true", help="the overhead benchmark (loadtests/overhead.py)")
     args = parser.parse_args(argv)
+    if args.overhead:
+        from loadtests import overhead  # it imports this module
+
+        out = ["--out", str(args.out)] if args.out else []
+        return overhead.main(["--quick"] * args.quick + out)
+    args.out = args.out or Path("loadtests/results/bench.md")
     plan = Plan.make(args.quick)
     cells, info = [], {}
     with tempfile.TemporaryDirectory(prefix="imgserve-bench-") as logs:

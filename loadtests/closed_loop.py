@@ -9,7 +9,9 @@ The Locust locustfile (shapes, HTML report) is for longer, shaped runs.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -87,32 +89,52 @@ async def _post(session: aiohttp.ClientSession, url: str, image: SampleImage) ->
         return response.status, response.headers.get("Content-Type", ""), body, retry_after
 
 
-async def _user(index: int, session: aiohttp.ClientSession, url: str, stop_at: float, results: list[Outcome]) -> None:
-    images = sample_images()
+@dataclass(frozen=True)
+class Behaviour:
+    """What every user sends and how it treats a rejection."""
+
+    images: Sequence[SampleImage]
+    retry_at_once: bool  # resend the same image on 503/504 at once (a retry storm) instead of waiting Retry-After
+    decode_answers: bool  # decode every answer's pixels (else check its header: format and size)
+    max_requests: int | None  # stop once this many requests were sent by all users together
+
+
+async def _user(
+    index: int,
+    session: aiohttp.ClientSession,
+    url: str,
+    stop_at: float,
+    how: Behaviour,
+    tickets: itertools.count,
+    results: list[Outcome],
+) -> None:
+    images = how.images
     sent = 0
-    while time.monotonic() < stop_at:
+    while time.monotonic() < stop_at and (how.max_requests is None or next(tickets) < how.max_requests):
         image = images[(index + sent) % len(images)]
-        sent += 1
         started = time.monotonic()
         retry_after = 0.0
         try:
             status, content_type, body, retry_after = await _post(session, url, image)
-            error = check_answer(image, status, content_type, body)
+            error = check_answer(image, status, content_type, body, how.decode_answers)
         except (aiohttp.ClientError, TimeoutError) as exc:
             status, error = 0, f"{type(exc).__name__}: {exc}"
         results.append(Outcome(started, time.monotonic() - started, status, error))
-        if status in REJECT_STATUSES:  # a polite client backs off as told (bounded)
+        if status not in REJECT_STATUSES:
+            sent += 1
+        elif not how.retry_at_once:  # a polite client backs off as told (bounded)
             await asyncio.sleep(min(retry_after, MAX_RETRY_AFTER_S, max(stop_at - time.monotonic(), 0)))
 
 
-async def _run(url: str, users: int, seconds: float, warmup_s: float, timeout_s: float) -> LoadResult:
+async def _run(url: str, users: int, seconds: float, warmup_s: float, timeout_s: float, how: Behaviour) -> LoadResult:
     start = time.monotonic()
     stop_at = start + warmup_s + seconds
     results: list[Outcome] = []
+    tickets = itertools.count()
     connector = aiohttp.TCPConnector(limit=users, force_close=False)
     client_timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=client_timeout) as session:
-        tasks = [asyncio.create_task(_user(i, session, url, stop_at, results)) for i in range(users)]
+        tasks = [asyncio.create_task(_user(i, session, url, stop_at, how, tickets, results)) for i in range(users)]
         # Requests still running at the end are awaited (up to the client timeout), so slow answers count.
         _, pending = await asyncio.wait(tasks, timeout=seconds + warmup_s + timeout_s + 5)
         for task in pending:
@@ -121,9 +143,24 @@ async def _run(url: str, users: int, seconds: float, warmup_s: float, timeout_s:
     return LoadResult(users, seconds, measured)
 
 
-def run_closed_loop(url: str, users: int, seconds: float, warmup_s: float = 0.0, timeout_s: float = 60.0) -> LoadResult:
+def run_closed_loop(
+    url: str,
+    users: int,
+    seconds: float,
+    warmup_s: float = 0.0,
+    timeout_s: float = 60.0,
+    *,
+    images: Sequence[SampleImage] | None = None,
+    retry_at_once: bool = False,
+    decode_answers: bool = True,
+    max_requests: int | None = None,
+) -> LoadResult:
     """Post test images to `url` from `users` concurrent users for `warmup_s` + `seconds`; measure the last `seconds`.
 
+    `images` default to the eight sample images. With `retry_at_once` a rejected user resends the same image
+    immediately (a retry storm), else it waits Retry-After. decode_answers=False checks each answer's header only.
+    `max_requests` ends the run early once that many requests were sent (a flood of a fixed size).
     Requests are timed out after `timeout_s`. The result holds the requests started in the measured window.
     """
-    return asyncio.run(_run(url, users, seconds, warmup_s, timeout_s))
+    how = Behaviour(images or sample_images(), retry_at_once, decode_answers, max_requests)
+    return asyncio.run(_run(url, users, seconds, warmup_s, timeout_s, how))

@@ -40,29 +40,40 @@ class SampleImage:
     data: bytes
 
 
+def synthetic_image(seed: int, width: int, height: int, fmt: str) -> SampleImage:
+    """A deterministic noisy synthetic photo (gradients, shapes, texture), encoded in memory."""
+    rng = np.random.default_rng(seed)
+    pixels = add_noise(rng, clean_image(rng, height, width), NOISE_SIGMA)
+    buffer = io.BytesIO()
+    Image.fromarray((pixels * 255).round().astype(np.uint8)).save(buffer, format=fmt)
+    return SampleImage(f"{width}x{height}.{fmt.lower()}", width, height, f"image/{fmt.lower()}", buffer.getvalue())
+
+
 @cache
 def sample_images() -> tuple[SampleImage, ...]:
-    """Eight deterministic noisy synthetic photos (gradients, shapes, texture), encoded once per process."""
-    images = []
-    for seed, (width, height, fmt) in enumerate(SPECS):
-        rng = np.random.default_rng(seed)
-        pixels = add_noise(rng, clean_image(rng, height, width), NOISE_SIGMA)
-        buffer = io.BytesIO()
-        Image.fromarray((pixels * 255).round().astype(np.uint8)).save(buffer, format=fmt)
-        name = f"{width}x{height}.{fmt.lower()}"
-        images.append(SampleImage(name, width, height, f"image/{fmt.lower()}", buffer.getvalue()))
-    return tuple(images)
+    """The eight mixed-size test images, encoded once per process."""
+    return tuple(synthetic_image(seed, width, height, fmt) for seed, (width, height, fmt) in enumerate(SPECS))
 
 
-def check_answer(image: SampleImage, status: int, content_type: str, body: bytes) -> str | None:
-    """None when the answer is a decodable image of the input's size, else what is wrong with it."""
+@cache
+def square_jpegs(side: int, count: int = 4) -> tuple[SampleImage, ...]:
+    """`count` different side x side JPEGs (seeded), encoded once per process."""
+    return tuple(synthetic_image(1000 * side + seed, side, side, "JPEG") for seed in range(count))
+
+
+def check_answer(image: SampleImage, status: int, content_type: str, body: bytes, decode: bool = True) -> str | None:
+    """None when the answer is a decodable image of the input's size, else what is wrong with it.
+
+    decode=False reads only the image's header (format and size), to spare the load generator's CPU.
+    """
     if status != 200:
         return f"HTTP {status}: {body[:200]!r}"
     if not content_type.startswith("image/"):
         return f"content type {content_type!r} is not an image"
     try:
         with Image.open(io.BytesIO(body)) as answer:
-            answer.load()
+            if decode:
+                answer.load()
             size = answer.size
     except (OSError, SyntaxError, ValueError) as exc:
         return f"the answer does not decode: {exc}"

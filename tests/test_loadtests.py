@@ -8,8 +8,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
-from loadtests import bench, capacity
+from loadtests import bench, capacity, gpu_check, overhead
+from loadtests.closed_loop import LoadResult, Outcome, run_closed_loop
 from loadtests.images import check_answer, sample_images
 from loadtests.inprocess import Limit
 from loadtests.run import run_load_test
@@ -75,10 +77,84 @@ def test_bench_quick_compares_all_four(tmp_path: Path) -> None:
         assert users in report
     for server in (bench.BASELINE, bench.PLAIN, bench.IMGSERVE):
         assert report.count(f"| {server} |") == 3
-    assert report.count("**met**") + report.count("**missed**") == 5
+    assert report.count(f"| {bench.STORM} | 200 (10x overload) |") == 1
+    assert "goodput at 200 users (10x overload) with immediate retries >= 0.6x capacity (20 users)" in report
+    assert report.count("**met**") + report.count("**missed**") == 6
 
 
 def test_imgserve_is_held_to_the_higher_of_the_two_limit_measurements() -> None:
     before = Limit({4: 90.0, 8: 100.0})
     assert bench.Limits(before, before, after_images_per_s=120.0).reference == 120.0
     assert bench.Limits(before, before, after_images_per_s=80.0).reference == 100.0
+
+
+def test_a_retry_storm_resends_at_once_where_polite_clients_wait(imgserve: RunningServer) -> None:
+    url = imgserve.url + "/predict"
+    polite = run_closed_loop(url, users=200, seconds=2)
+    storm = run_closed_loop(url, users=200, seconds=2, retry_at_once=True)
+    assert polite.failed == storm.failed == 0
+    assert polite.shed > 0 and len(storm.answered) > 0
+    assert storm.shed >= 3 * polite.shed  # polite users wait Retry-After (1 s) after each 503
+
+
+def _result(users: int, latencies_s: list[float], window_s: float = 1.0) -> LoadResult:
+    return LoadResult(users, window_s, [Outcome(0.0, latency, 200, None) for latency in latencies_s])
+
+
+def _limits(one: float, two: float, single_ms: float) -> overhead.SideLimits:
+    before = (overhead.LimitRun(1, one, single_ms), overhead.LimitRun(2, two, 2 * single_ms))
+    after = (overhead.LimitRun(1, one / 2, 3 * single_ms), overhead.LimitRun(2, two / 2, single_ms))
+    return overhead.SideLimits(before, after)
+
+
+def _overhead_run(rps_1024_c16: float, rps_128_c64: float, p50_1024_ms: float) -> overhead.OverheadRun:
+    cells = [
+        overhead.Cell(1024, _result(16, [0.5] * int(rps_1024_c16)), 2**30, 0.1),
+        overhead.Cell(128, _result(64, [0.1] * int(rps_128_c64)), 2**30, 0.1),
+        overhead.Cell(1024, _result(1, [p50_1024_ms / 1000] * 5), 2**30, 0.1),
+    ]
+    limits = {1024: _limits(40.0, 100.0, 20.0), 128: _limits(900.0, 1000.0, 1.0)}
+    return overhead.OverheadRun(overhead.Plan.targets_only(1.0), limits, cells, {"device": "cpu"})
+
+
+def test_overhead_holds_imgserve_to_the_higher_limit_and_the_faster_single_image() -> None:
+    limits = _limits(40.0, 100.0, 20.0)
+    assert (limits.images_per_s(1), limits.images_per_s(2), limits.single_image_ms) == (40.0, 100.0, 20.0)
+
+
+@pytest.mark.parametrize(
+    ("rps_1024", "rps_128", "p50_ms", "met"),
+    [(60, 400, 32.0, [True, True, True]), (59, 399, 33.0, [False, False, False])],
+)
+def test_overhead_targets_sit_on_their_thresholds(rps_1024: int, rps_128: int, p50_ms: float, met: list[bool]) -> None:
+    run = _overhead_run(rps_1024, rps_128, p50_ms)
+    assert [v.met for v in run.verdicts()] == met
+    report = overhead.render(run, "cmd", "host")
+    assert report.count("**met**" if met[0] else "**missed**") == 3
+    assert "| 1024x1024 | 16 | 40.0 | 100.0 | " in report and "| 128x128 | 64 | 900.0 | 1000.0 | " in report
+
+
+def test_gpu_check_exit_status_ranks_error_over_fail_over_pass() -> None:
+    row = gpu_check.Row.of
+    passed, failed = row(gpu_check.AUTO, "", True), row(gpu_check.AUTO, "", False)
+    error = gpu_check.Row(gpu_check.OOM, "boom", "-", gpu_check.ERROR)
+    assert gpu_check.exit_status([passed, gpu_check.Row.skipped(gpu_check.OOM)]) == 0
+    assert gpu_check.exit_status([passed, failed]) == 1
+    assert gpu_check.exit_status([failed, error]) == 2
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the check runs for real (minutes)")
+def test_gpu_check_runs_on_a_cpu_with_the_gpu_rows_skipped(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.md"
+    status = gpu_check.main(["--cell-seconds", "1", "--out", str(out)])
+    table = out.read_text().split("## Overhead benchmark")[0]
+    rows = {line.split(" | ")[0][2:]: line.split(" | ")[-1][:-2] for line in table.splitlines() if line[:2] == "| "}
+    assert set(gpu_check.GOALS) <= set(rows)
+    gpu_rows = {gpu_check.CUDA, gpu_check.NVML, gpu_check.FP16, gpu_check.BF16, gpu_check.AUTO, gpu_check.FLOOD}
+    assert {rows[name] for name in gpu_rows | {gpu_check.OOM}} == {gpu_check.SKIPPED}
+    assert rows[gpu_check.SEED] == gpu_check.INFO  # measured; its goal is a GPU's
+    overhead_rows = [gpu_check.overhead_row(target) for target in overhead.TARGETS]
+    assert {rows[name] for name in overhead_rows} <= {gpu_check.PASS, gpu_check.FAIL}
+    assert status in (0, 1)  # 2 would be a check that raised
+    assert "| 1024x1024 | 16 |" in out.read_text()  # the overhead report follows the table

@@ -1,0 +1,350 @@
+"""The prepared GPU check: one call on a machine with an NVIDIA GPU, one table of checks with their goals.
+
+`python -m loadtests.gpu_check [--cell-seconds 3] [--out loadtests/results/gpu_check.md]`
+
+Each check starts the imgserve it needs on loopback (sequentially, so only one holds the GPU at a time) and
+stops it. Without CUDA the GPU rows are `skipped`; the seed case is measured (`info`: on a CPU the model's cost
+grows with the batch, so its goal is a GPU's) and the overhead targets run in a short form. A row whose check
+raised is `error`. Exit status: 0 all goals met (or skipped), 1 a goal missed, 2 a check raised.
+The table is printed and written to --out, with the overhead benchmark's own report below it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtests import overhead
+from loadtests.bench import machine
+from loadtests.closed_loop import run_closed_loop
+from loadtests.images import SampleImage, square_jpegs
+from loadtests.servers import RunningServer, free_port, imgserve_command, running_server
+
+REPO = Path(__file__).resolve().parent.parent
+PASS, FAIL, SKIPPED, INFO, ERROR = "pass", "fail", "skipped", "info", "error"
+PRECISION_MAX_MEAN_DIFF = 2.0  # mean |fp16/bf16 - fp32| per channel value, on the 0-255 scale
+SEED_GOAL = 1.2
+FLOOD_REQUESTS, FLOOD_USERS, FLOOD_FRACTION = 1000, 200, 0.5
+OOM_REQUESTS = 32
+NVML_METRICS = ("imgserve_gpu_utilization_ratio", "imgserve_gpu_memory_used_bytes", "imgserve_gpu_memory_total_bytes")
+
+
+def overhead_row(target: overhead.Target) -> str:
+    what = "p50 vs one image in-process" if target.latency else "vs the 2-thread in-process limit"
+    return f"overhead: {target.side}px c={target.users} {what}"
+
+
+CUDA, NVML, SEED, FP16, BF16 = "CUDA path", "NVML metrics on /metrics", "seed case: 3 parallel vs 1", "fp16", "bf16"
+AUTO, FLOOD, OOM = "max_batch_size auto", f"peak GPU memory, {FLOOD_REQUESTS}-request flood", "OOM split-and-retry"
+PRECISION_GOAL = f"starts; mean abs diff vs fp32 <= {PRECISION_MAX_MEAN_DIFF:g}/255"
+GOALS = {
+    CUDA: "/info device is cuda",
+    NVML: ", ".join(NVML_METRICS),
+    SEED: f"<= {SEED_GOAL}x (on a GPU)",
+    FP16: PRECISION_GOAL,
+    BF16: PRECISION_GOAL,
+    AUTO: "an int in 1..256, measured at warm-up",
+    FLOOD: f"growth <= gpu_memory_fraction ({FLOOD_FRACTION}) x free memory at idle; only 200/503/504",
+    OOM: f"imgserve_oom_splits_total rises; all {OOM_REQUESTS} parallel requests 200",
+    **{overhead_row(t): f"{'<=' if t.latency else '>='} {t.factor}x" for t in overhead.TARGETS},
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table."""
+
+    check: str
+    result: str
+    goal: str
+    status: str
+
+    @classmethod
+    def of(cls, check: str, result: str, ok: bool) -> Row:
+        return cls(check, result, GOALS[check], PASS if ok else FAIL)
+
+    @classmethod
+    def skipped(cls, check: str) -> Row:
+        return cls(check, "no CUDA device", GOALS[check], SKIPPED)
+
+
+@dataclass
+class Context:
+    """What every check may use: CUDA or not, where logs go, how long a load cell lasts, and the fp32 reference."""
+
+    cuda: bool
+    log_dir: Path
+    cell_seconds: float
+    reference_png: bytes | None = None
+    overhead_report: str = ""
+
+
+@contextlib.contextmanager
+def imgserve(context: Context, name: str, **settings: str) -> Iterator[RunningServer]:
+    """`imgserve serve` on a free loopback port with IMGSERVE_<NAME> settings; stopped (process tree) afterwards."""
+    port = free_port()
+    env = {f"IMGSERVE_{key.upper()}": value for key, value in settings.items()}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    log = context.log_dir / f"{name}.log"
+    with running_server(imgserve_command(port), port, log, "/health/ready", env) as server:
+        yield server
+
+
+def info(server: RunningServer) -> dict:
+    return httpx.get(server.url + "/info", timeout=10).json()
+
+
+def metric_samples(server: RunningServer) -> dict[str, float]:
+    """Every sample on /metrics, summed over labels, by sample name."""
+    response = httpx.get(server.url + "/metrics", timeout=10)
+    response.raise_for_status()
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
+    return sums
+
+
+def predict_png(server: RunningServer, image: SampleImage) -> bytes:
+    """POST one image, asking for a lossless answer; raises on anything but 200."""
+    response = httpx.post(
+        server.url + "/predict",
+        params={"format": "png"},
+        files={"file": (image.name, image.data, image.content_type)},
+        timeout=60,
+    )
+    response.raise_for_status()
+    return response.content
+
+
+def mean_abs_diff(a: bytes, b: bytes) -> float:
+    """Mean |a - b| of two encoded images' pixels, on the 0-255 scale."""
+    pixels = [np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.float32) for data in (a, b)]
+    return float(np.abs(pixels[0] - pixels[1]).mean())
+
+
+def seed_ratio(server: RunningServer, image: SampleImage, rounds: int) -> tuple[float, float]:
+    """Median latency (s) of one request alone, and of the slowest of 3 sent together (the seed's complaint)."""
+
+    def timed(_: object = None) -> float:
+        started = time.perf_counter()
+        predict_png(server, image)
+        return time.perf_counter() - started
+
+    timed()  # warm-up
+    alone = statistics.median(timed() for _ in range(rounds))
+    with ThreadPoolExecutor(3) as pool:
+        together = statistics.median(max(pool.map(timed, range(3))) for _ in range(rounds))
+    return alone, together
+
+
+def check_default_server(context: Context) -> list[Row]:
+    """CUDA path, NVML metrics and the seed case, on imgserve with its defaults; keeps the fp32 reference answer."""
+    rows = [Row.skipped(CUDA), Row.skipped(NVML)]
+    image = square_jpegs(512)[0]
+    with imgserve(context, "default") as server:
+        device = info(server)["device"]
+        if context.cuda:
+            context.reference_png = predict_png(server, image)
+            present = [name for name in NVML_METRICS if name in metric_samples(server)]
+            found = f"{len(present)} of {len(NVML_METRICS)} present" + (
+                "" if present else " (is imgserve[gpu] installed?)"
+            )
+            rows = [
+                Row.of(CUDA, f"/info device {device}", device.startswith("cuda")),
+                Row.of(NVML, found, len(present) == len(NVML_METRICS)),
+            ]
+        alone, together = seed_ratio(server, image, rounds=10 if context.cuda else 3)
+    ratio = together / alone
+    seed = Row.of(
+        SEED, f"{ratio:.2f}x ({1000 * together:.0f} vs {1000 * alone:.0f} ms, 512x512, {device})", ratio <= SEED_GOAL
+    )
+    if not context.cuda:  # a CPU's cost grows with the batch: measured, but the goal is a GPU's
+        seed = Row(seed.check, seed.result, seed.goal, INFO)
+    return [*rows, seed]
+
+
+def check_precision(context: Context, precision: str) -> list[Row]:
+    """A server in fp16/bf16 answers a real image close to the fp32 server's answer."""
+    if context.reference_png is None:
+        return [Row.of(precision, "no fp32 reference answer", False)]
+    with imgserve(context, precision, precision=precision) as server:
+        served = info(server)["precision"]
+        diff = mean_abs_diff(predict_png(server, square_jpegs(512)[0]), context.reference_png)
+    ok = served == precision and diff <= PRECISION_MAX_MEAN_DIFF
+    return [Row.of(precision, f"/info precision {served}; mean abs diff {diff:.2f}/255", ok)]
+
+
+class MemoryWatch:
+    """Samples imgserve_gpu_memory_used_bytes from /metrics in a thread; keeps the peak."""
+
+    def __init__(self, server: RunningServer, interval_s: float = 0.2) -> None:
+        self.server, self.interval_s, self.peak = server, interval_s, 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> MemoryWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                used = metric_samples(self.server).get("imgserve_gpu_memory_used_bytes", 0.0)
+                self.peak = max(self.peak, used)
+            self._stop.wait(self.interval_s)
+
+
+def check_auto_batch_and_flood(context: Context) -> list[Row]:
+    """max_batch_size auto's choice, then peak GPU memory under a 1000-request flood vs gpu_memory_fraction."""
+    settings = {"max_batch_size": "auto", "gpu_memory_fraction": str(FLOOD_FRACTION)}
+    with imgserve(context, "auto-batch", **settings) as server:
+        described = info(server)
+        batch, budget = described["max_batch_size"], described["batch_pixel_budget"]
+        chose = isinstance(batch, int) and 1 <= batch <= 256 and budget > 0
+        rows = [Row.of(AUTO, f"batch {batch}, pixel budget {budget} px", chose)]
+        idle = metric_samples(server)
+        if "imgserve_gpu_memory_used_bytes" not in idle:
+            return [*rows, Row.of(FLOOD, "imgserve_gpu_memory_used_bytes is not on /metrics", False)]
+        idle_used, total = idle["imgserve_gpu_memory_used_bytes"], idle["imgserve_gpu_memory_total_bytes"]
+        with MemoryWatch(server) as watch:
+            flood = run_closed_loop(
+                server.url + "/predict",
+                FLOOD_USERS,
+                seconds=300,
+                images=square_jpegs(1024),
+                decode_answers=False,
+                max_requests=FLOOD_REQUESTS,
+            )
+    allowed = FLOOD_FRACTION * (total - idle_used)
+    growth = watch.peak - idle_used
+    gib = 2**30
+    result = (
+        f"peak {watch.peak / gib:.1f} GiB (idle {idle_used / gib:.1f}, +{growth / gib:.1f}, allowed +"
+        f"{allowed / gib:.1f}) of {total / gib:.0f}; {len(flood.outcomes)} sent, {len(flood.answered)} answered, "
+        f"{flood.shed} shed, {flood.failed} failed"
+    )
+    ok = growth <= allowed and flood.failed == 0 and len(flood.outcomes) == FLOOD_REQUESTS
+    return [*rows, Row.of(FLOOD, result, ok)]
+
+
+def check_oom_split(context: Context) -> list[Row]:
+    """A model that runs out of memory on every batch of 2+: batches are split, every request still answered."""
+    weights = context.log_dir / "empty-state.pt"
+    torch.save({}, weights)
+    settings = {"model": str(weights), "model_factory": "loadtests.toy_models:batch_hungry", "batch_timeout_ms": "50"}
+    with imgserve(context, "oom", **settings) as server:
+        before = metric_samples(server).get("imgserve_oom_splits_total", 0.0)
+        result = run_closed_loop(
+            server.url + "/predict", OOM_REQUESTS, seconds=120, images=square_jpegs(256), max_requests=OOM_REQUESTS
+        )
+        splits = metric_samples(server).get("imgserve_oom_splits_total", 0.0) - before
+    ok = splits > 0 and len(result.answered) == OOM_REQUESTS
+    answered = f"imgserve_oom_splits_total +{splits:.0f}; {len(result.answered)}/{OOM_REQUESTS} answered 200"
+    return [Row.of(OOM, answered, ok)]
+
+
+def check_overhead(context: Context) -> list[Row]:
+    """The overhead benchmark's targets: every cell on a GPU, only the targets' cells (short) on a CPU."""
+    seconds = context.cell_seconds
+    plan = (
+        overhead.Plan(overhead.Plan.make(quick=True).cells, seconds, seconds / 3, seconds / 3)
+        if context.cuda
+        else overhead.Plan.targets_only(seconds)
+    )
+    run = overhead.run_overhead(plan, context.log_dir)
+    context.overhead_report = overhead.render(run, "python -m loadtests.gpu_check", machine())
+    return [Row.of(overhead_row(v.target), v.result(), v.met) for v in run.verdicts()]
+
+
+@dataclass(frozen=True)
+class Check:
+    """A check, the rows it yields (named up front, so a skipped or failed check still shows them), GPU only?"""
+
+    run: Callable[[Context], list[Row]]
+    rows: tuple[str, ...]
+    gpu_only: bool
+
+
+CHECKS = (
+    Check(check_default_server, (CUDA, NVML, SEED), gpu_only=False),
+    Check(lambda context: check_precision(context, FP16), (FP16,), gpu_only=True),
+    Check(lambda context: check_precision(context, BF16), (BF16,), gpu_only=True),
+    Check(check_auto_batch_and_flood, (AUTO, FLOOD), gpu_only=True),
+    Check(check_oom_split, (OOM,), gpu_only=True),
+    Check(check_overhead, tuple(overhead_row(t) for t in overhead.TARGETS), gpu_only=False),
+)
+
+
+def run_checks(context: Context) -> list[Row]:
+    """Every check in order; GPU-only ones are skipped without CUDA, and a check that raises becomes an error row."""
+    rows: list[Row] = []
+    for check in CHECKS:
+        if check.gpu_only and not context.cuda:
+            rows += [Row.skipped(name) for name in check.rows]
+            continue
+        print(f"gpu_check: {', '.join(check.rows)}...", file=sys.stderr, flush=True)
+        try:
+            rows += check.run(context)
+        except Exception as exc:  # one broken check must not hide the others' results
+            message = f"{type(exc).__name__}: {str(exc)[:300]}".replace("|", "/").replace("\n", " ")
+            rows += [Row(name, message, GOALS[name], ERROR) for name in check.rows]
+    return rows
+
+
+def render(rows: list[Row], host: str, elapsed_s: float) -> str:
+    """The one table, with the machine and the run's length above it."""
+    lines = [
+        f"Machine: {host}; {elapsed_s:.0f} s",
+        "",
+        "| check | result | goal | pass/fail |",
+        "|---|---|---|---|",
+        *(f"| {row.check} | {row.result} | {row.goal} | {row.status} |" for row in rows),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def exit_status(rows: list[Row]) -> int:
+    statuses = {row.status for row in rows}
+    return 2 if ERROR in statuses else 1 if FAIL in statuses else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtests.gpu_check", description=__doc__.splitlines()[0])
+    parser.add_argument("--cell-seconds", type=float, default=3.0, help="measured seconds per overhead cell")
+    parser.add_argument("--out", type=Path, default=Path("loadtests/results/gpu_check.md"), help="markdown report")
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="imgserve-gpu-check-") as logs:
+        context = Context(torch.cuda.is_available(), Path(logs), args.cell_seconds)
+        rows = run_checks(context)
+    table = render(rows, machine(), time.monotonic() - started)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(table + "\n## Overhead benchmark\n\n" + context.overhead_report)
+    print(table)
+    return exit_status(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
