@@ -46,8 +46,10 @@ class _Pending:
     ticket: int
     submitted: float
     deadline: float
+    message: tuple
     answer: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     given_up: bool = False
+    resent: bool = False
 
 
 class Slot:
@@ -114,9 +116,10 @@ class Dispatcher:
 
     async def submit(self, slot: Slot, shape: tuple[int, ...], deadline: float, fields: dict[str, Any]) -> Any:
         uid, now = uuid.uuid4().hex, time.monotonic()
-        pending = slot.pending = self._pending[uid] = _Pending(uid, slot.index, slot.ticket, now, deadline)
         payload = {"slot": (slot.index, slot.ticket), "shape": shape, "deadline": deadline, "admitted": now, **fields}
-        self._outbox.put((self._front_end, uid, now, payload))
+        message = (self._front_end, uid, now, payload)
+        pending = slot.pending = self._pending[uid] = _Pending(uid, slot.index, slot.ticket, now, deadline, message)
+        self._outbox.put(message)
         output, status = await self._wait(pending)
         if status == LitAPIStatus.ERROR or output is None:
             raise ApiError(500, "internal_error", "the inference worker failed on this batch")
@@ -133,8 +136,19 @@ class Dispatcher:
             if self._lost(pending):
                 metrics.REJECTED.labels("worker_lost").inc()
                 raise ApiError(503, "worker_lost", "the inference worker died", self.retry_after_s)
+            self._resend_if_lost_in_transit(pending)
             await asyncio.wait((pending.answer,), timeout=min(remaining, WORKER_CHECK_S))
         return pending.answer.result()
+
+    def _resend_if_lost_in_transit(self, pending: _Pending) -> None:
+        """A worker killed while it was being handed a request takes that request with it, untaken: once a worker
+        has died since a request was queued, the request is queued again. If the first copy was still queued,
+        whichever copy a worker takes first is run and the other is dropped (SharedState.mark_taken)."""
+        if pending.resent or self.state.last_loss() <= pending.submitted:
+            return
+        if self.state.taken_by(pending.slot, pending.ticket) is None:
+            pending.resent = True
+            self._outbox.put(pending.message)
 
     def _lost(self, pending: _Pending) -> bool:
         worker = self.state.taken_by(pending.slot, pending.ticket)

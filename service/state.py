@@ -20,9 +20,10 @@ class SharedState:
         self._pixel_budget = _ctx.Value("q", 0)
         self._alive = _ctx.Array("b", [1] * workers)
         self._lost_at = _ctx.Array("d", [0.0] * workers)
-        # Per request slot (one writer at a time each: no lock): the front end's ticket, and who took it.
+        # Per request slot: the front end's ticket (one writer), and which worker took it (first taker wins).
         self._owner = _ctx.Array("q", request_slots, lock=False)
         self._taken = _ctx.Array("q", request_slots, lock=False)
+        self._take_lock = _ctx.Lock()
 
     # Admission: requests admitted and not yet answered.
     def try_admit(self, limit: int) -> bool:
@@ -81,6 +82,10 @@ class SharedState:
         """Did `worker` die after `since` (a time.monotonic() reading)?"""
         return self._lost_at[worker] > since
 
+    def last_loss(self) -> float:
+        """When a worker last died (time.monotonic(); 0 if none has)."""
+        return max(self._lost_at[:], default=0.0)
+
     # Which request is in which slot and which worker took it: shared-memory writes instead of queue messages.
     def set_owner(self, slot: int, ticket: int) -> None:
         """The front end put request `ticket` in `slot` (its pixels are in the slot's file)."""
@@ -91,11 +96,13 @@ class SharedState:
         return self._owner[slot] == ticket
 
     def mark_taken(self, slot: int, ticket: int, worker: int) -> bool:
-        """Worker `worker` takes request `ticket` from `slot`; False (and nothing marked) if the slot moved on."""
-        if not self.owns(slot, ticket):
-            return False
-        self._taken[slot] = ticket << 8 | worker + 1
-        return True
+        """Worker `worker` takes request `ticket` from `slot`; False (nothing marked) if the slot moved on or another
+        worker took this request already (it was sent again after a worker died: the first copy taken wins)."""
+        with self._take_lock:
+            if not self.owns(slot, ticket) or self._taken[slot] >> 8 == ticket:
+                return False
+            self._taken[slot] = ticket << 8 | worker + 1
+            return True
 
     def taken_by(self, slot: int, ticket: int) -> int | None:
         """The worker holding request `ticket`, or None while it is queued (a stale ticket in the slot is ignored)."""

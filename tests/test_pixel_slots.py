@@ -150,6 +150,16 @@ def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its
                 break
         assert len(dispatcher._free) == 2, "the slot was not freed when the late answer came"
 
+        # A worker dies while being handed a request (the queue process had popped it): the request is queued again.
+        lost = asyncio.create_task(handler(timeout=30))
+        await asyncio.to_thread(requests.get, timeout=5)  # ... and never marked: the worker is gone
+        state.worker_lost(0)
+        resent = await asyncio.to_thread(requests.get, timeout=5)
+        state.worker_back(0)
+        await asyncio.to_thread(work, resent)
+        assert (await lost == 255 - image).all()
+        assert not state.mark_taken(*resent[3]["slot"], worker=0), "a second copy of a taken request must be dropped"
+
         # Every slot held: the next request is shed, not queued without a slot.
         blockers = [asyncio.create_task(handler(timeout=30)) for _ in range(2)]
         await asyncio.sleep(0.1)
