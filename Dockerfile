@@ -1,6 +1,6 @@
 # imgserve: the HTTP image-model server on a CUDA runtime base (it falls back to CPU where no GPU is visible).
 #   docker build -t imgserve:0.1.0 .
-#   docker run --rm --gpus all -p 127.0.0.1:8000:8000 imgserve:0.1.0
+#   docker run --rm --gpus all --shm-size=1g -p 127.0.0.1:8000:8000 imgserve:0.1.0
 # The CUDA base and the PyTorch wheel index must name the same CUDA release (12.8 <-> cu128).
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
 

@@ -249,10 +249,13 @@ class BatchRunner:
 def to_pixels(output: torch.Tensor) -> np.ndarray:
     """A model's NxCxHxW output in [0, 1] -> uint8 NxHxWxC on the host, quantised on the device.
 
-    The output is scaled in place (it is the batch's own), then cast and laid out as NHWC in one copy.
+    The output is scaled in place (it is the batch's own; a broadcast view is copied first), then cast and laid out
+    as NHWC in one copy.
     """
     with torch.inference_mode():
-        scaled = output.detach().clamp_(0, 1).mul_(255).round_().permute(0, 2, 3, 1)
+        output = output.detach()
+        dense = output.is_contiguous() or output.is_contiguous(memory_format=torch.channels_last)
+        scaled = (output if dense else output.clone()).clamp_(0, 1).mul_(255).round_().permute(0, 2, 3, 1)
         return scaled.to(torch.uint8, memory_format=torch.contiguous_format).cpu().numpy()
 
 

@@ -143,3 +143,14 @@ def test_a_model_that_refuses_channels_last_falls_back_to_nchw_at_warm_up() -> N
     assert not batch_runner.channels_last
     outputs = batch_runner(images())
     assert [o.shape for o in outputs] == [i.shape for i in images()]
+
+
+def test_a_model_answering_with_a_broadcast_view_still_gets_its_pixels() -> None:
+    class Grey(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.mean(dim=(1, 2, 3), keepdim=True).expand(-1, 3, x.shape[2], x.shape[3])
+
+    image = images()[0]
+    [output] = runner(pad=False, model=Grey())([image])
+    assert output.shape == image.shape and (output == output[0, 0, 0]).all()
+    assert abs(int(output[0, 0, 0]) - round(float(image.array.mean()))) <= 1
