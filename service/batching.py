@@ -221,6 +221,7 @@ class BatchRunner:
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
             self._first_forward(probe)
+            torch.cuda.synchronize(self.device)  # the probe's copy from the reused pinned buffer is done
             peak = torch.cuda.max_memory_allocated(self.device) - base
             free, _ = torch.cuda.mem_get_info(self.device)
         else:
