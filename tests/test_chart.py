@@ -271,8 +271,9 @@ def test_api_key_from_an_existing_secret() -> None:
     }
     mount = {m["name"]: m for m in container["volumeMounts"]}["api-key"]
     assert mount == {"name": "api-key", "mountPath": "/var/run/secrets/imgserve", "readOnly": True}  # no subPath
-    test_env = {e["name"]: e for e in one("auth", "Pod")["spec"]["containers"][0]["env"]}
-    assert test_env["API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "imgserve-api-keys", "key": "token"}
+    (test_container,) = one("auth", "Pod")["spec"]["containers"]
+    assert env_of(test_container)["API_KEY_FILE"] == "/var/run/secrets/imgserve/token"
+    assert mount in test_container["volumeMounts"]
     (endpoint,) = one("auth", "ServiceMonitor")["spec"]["endpoints"]
     assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "imgserve-api-keys", "key": "token"}}
     defaults = server_container("defaults")

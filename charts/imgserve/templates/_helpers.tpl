@@ -198,3 +198,15 @@ checkov.io/skip{{ $n }}: "CKV_K8S_9=a one-shot helm test Pod receives no traffic
 {{- define "imgserve.apiKeyDir" -}}
 /var/run/secrets/imgserve
 {{- end }}
+
+{{/* The API key Secret as a volume (server and helm test), when auth.existingSecret is set. */}}
+{{- define "imgserve.apiKeyVolume" -}}
+{{- with .Values.auth.existingSecret -}}
+- name: api-key
+  secret:
+    secretName: {{ . }}
+    items:
+      - key: {{ $.Values.auth.secretKey }}
+        path: {{ $.Values.auth.secretKey }}
+{{- end }}
+{{- end }}
