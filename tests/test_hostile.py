@@ -247,3 +247,36 @@ def test_many_concurrent_hostile_clients_leave_the_server_healthy(server: Server
             future.result()
     assert httpx.get(f"{server.url}/health/ready").status_code == 200
     assert server.metric("imgserve_requests_total", route="/predict", code="500") == 0
+
+
+def test_good_requests_keep_their_connection(server: Server) -> None:
+    with connect(server) as sock:
+        for _ in range(3):
+            sock.sendall(request_head(length=len(GOOD)) + GOOD)
+            answer = read_answer(sock)
+            assert answer.status == 200 and "connection" not in answer.headers
+
+
+def test_a_full_pod_sheds_at_the_headers_and_keeps_the_connection(tmp_path, toy_model, monkeypatch) -> None:
+    """503 from the connection layer: the body skipped, the connection kept for the retry (closed when the body is
+    chunked, as its length is unknown)."""
+    monkeypatch.setenv("TOY_DELAY_S", "2.0")
+    settings = dict(max_batch_size=1, max_queue_depth=1, workers_per_device=1, batch_timeout_ms=0)
+    with running_server(tmp_path, **settings, **toy_model("Slow")) as server, ThreadPoolExecutor(1) as pool:
+        held = pool.submit(good_request, server)
+        deadline = time.monotonic() + 10
+        while server.metric("imgserve_queue_depth") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with connect(server) as sock:
+            for _ in range(3):
+                sock.sendall(request_head(length=len(GOOD)) + GOOD)
+                answer = read_answer(sock)
+                assert (answer.status, answer.code, answer.headers["retry-after"]) == (503, "queue_full", "1")
+                assert "connection" not in answer.headers
+            sock.sendall(request_head(extra="Transfer-Encoding: chunked\r\n") + b"10\r\n" + b"\0" * 16 + b"\r\n")
+            answer = read_answer(sock)
+            assert (answer.status, answer.code, answer.headers["connection"]) == (503, "queue_full", "close")
+        assert held.result() == 200
+        assert server.metric("imgserve_requests_total", route="/predict", code="503") == 4
+        assert server.metric("imgserve_rejected_total", reason="queue_full") == 4
