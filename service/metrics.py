@@ -26,6 +26,7 @@ REJECT_REASONS = (
     "too_many_connections",
     "header_timeout",
     "headers_too_large",
+    "too_many_headers",
     "body_timeout",
     "upload_too_slow",
 )
