@@ -34,15 +34,23 @@ class Admission:
 
     def __init__(self, state: SharedState, settings: Settings, limit: Callable[[], int]) -> None:
         self.state, self.settings, self.limit = state, settings, limit
+        self._rejected = {reason: REJECTED.labels(reason) for reason in SHED_MESSAGES}
+
+    def shed_reason(self) -> str | None:
+        """draining or queue_full (counted as rejected), or None when there is room; allocates nothing."""
+        if self.state.draining:
+            reason = "draining"
+        elif self.state.queue_depth >= self.limit():
+            reason = "queue_full"
+        else:
+            return None
+        self._rejected[reason].inc()
+        return reason
 
     def refusal(self) -> ApiError | None:
-        """503 draining or queue_full (counted as rejected), or None when there is room."""
-        if self.state.draining:
-            return self._shed("draining", SHED_MESSAGES["draining"])
-        limit = self.limit()
-        if self.state.queue_depth >= limit:
-            return self._shed("queue_full", f"{SHED_MESSAGES['queue_full']} ({limit} requests)")
-        return None
+        """The 503 for shed_reason(), or None."""
+        reason = self.shed_reason()
+        return None if reason is None else ApiError(503, reason, SHED_MESSAGES[reason], self.settings.retry_after_s)
 
     def admit(self) -> None:
         """Take a place in the pod's queue (release() gives it back), or raise 503 queue_full."""

@@ -29,7 +29,6 @@ from service.errors import ApiError
 
 LINGER_S = 2.0  # how long a refused client's late bytes are read and dropped before the socket closes
 _IDLE, _HEADERS, _BODY = 0, 1, 2
-_PREDICT_RAW = {path.encode() for path in PREDICT_PATHS}
 
 
 def raw_response(error: ApiError, close: bool = True) -> bytes:
@@ -70,6 +69,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     settings: ClassVar[Settings]
     admission: ClassVar[Admission]
     refusals: ClassVar[dict[str, tuple[ApiError, bytes]]]  # pre-built answers by name
+    shed_counts: ClassVar[dict[bytes, Any]]  # imgserve_requests_total{route, code="503"} of each predict path
 
     @classmethod
     def configured(cls, settings: Settings, admission: Admission) -> type[GuardedHttpToolsProtocol]:
@@ -88,7 +88,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             errors.append(ApiError(503, reason, SHED_MESSAGES[reason], retry))
         refusals = {error.code: (error, raw_response(error)) for error in errors}
         refusals |= {f"{e.code}+keep-alive": (e, raw_response(e, close=False)) for e in errors if e.status == 503}
-        attributes = {"settings": settings, "admission": admission, "refusals": refusals}
+        shed_counts = {path.encode(): metrics.REQUESTS.labels(path, "503") for path in PREDICT_PATHS}
+        attributes = {"settings": settings, "admission": admission, "refusals": refusals, "shed_counts": shed_counts}
         return type(cls.__name__, (cls,), attributes)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -214,17 +215,18 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _shed_here(self) -> bool:
         """Answer 503 now, without ASGI, if this is a predict request the pod cannot take."""
-        if self.url.partition(b"?")[0] not in _PREDICT_RAW or (self.cycle and not self.cycle.response_complete):
+        path = self.url.partition(b"?")[0]
+        if path not in self.shed_counts or (self.cycle and not self.cycle.response_complete):
             return False
-        refusal = self.admission.refusal()
-        if refusal is None:
+        reason = self.admission.shed_reason()
+        if reason is None:
             return False
-        metrics.REQUESTS.labels(self.url.partition(b"?")[0].decode(), "503").inc()
+        self.shed_counts[path].inc()
         self._shed = True
         if self._declared_length() <= self.settings.max_body_bytes:  # skip the body, keep the connection
-            self._socket.write(self.refusals[f"{refusal.code}+keep-alive"][1])
+            self._socket.write(self.refusals[f"{reason}+keep-alive"][1])
         else:
-            self._refuse(refusal.code)
+            self._refuse(reason)
         return True
 
     def _declared_length(self) -> int:
