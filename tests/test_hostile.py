@@ -14,7 +14,7 @@ import pytest
 from rawhttp import Answer, closed_by_server, connect, read_answer, request_head, send_quietly
 from serving import Server, image_bytes, running_server
 
-HEADER_TIMEOUT_S, BODY_TIMEOUT_S, MAX_CONNECTIONS = 1.0, 2.0, 150
+HEADER_TIMEOUT_S, BODY_TIMEOUT_S, MAX_CONNECTIONS, MAX_UPLOADS = 1.0, 2.0, 150, 100
 PNG = {"Content-Type": "image/png"}
 GOOD = image_bytes(24, 16)
 
@@ -30,6 +30,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         body_timeout_s=BODY_TIMEOUT_S,
         min_upload_rate=50_000,
         max_connections=MAX_CONNECTIONS,
+        max_uploads=MAX_UPLOADS,
     ) as running:
         yield running
 
@@ -70,6 +71,36 @@ def test_trickling_uploads_do_not_lock_out_complete_requests(server: Server) -> 
         for sock in tricklers:
             sock.close()
     assert good_request(server) == 200
+
+
+def test_uploads_past_their_bound_get_503_and_leave_when_the_client_does(server: Server) -> None:
+    uploads = [connect(server) for _ in range(MAX_UPLOADS + 10)]
+    try:
+        for sock in uploads:
+            sock.sendall(request_head(length=1_000_000) + b"\x89")
+        time.sleep(1.0)
+        refused = [read_answer(sock) for sock in uploads if select.select([sock], [], [], 0)[0]]
+        assert [(a.status, a.code) for a in refused] == [(503, "too_many_uploads")] * 10
+    finally:
+        for sock in uploads:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while good_request(server) != 200:
+        assert time.monotonic() < deadline, "upload slots were not given back when their clients left"
+        time.sleep(0.2)
+
+
+def test_the_deadline_counts_from_the_first_byte(server: Server) -> None:
+    """A 1 s deadline and an upload (fast enough for the rate limit) that takes 2 s: 504 during the upload."""
+    body = b"\0" * 200_000
+    with connect(server) as sock:
+        sock.sendall(request_head(length=len(body), extra="X-Request-Timeout: 1\r\n"))
+        for start in range(0, len(body), 10_000):
+            if not send_quietly(sock, body[start : start + 10_000]):
+                break
+            time.sleep(0.1)
+        answer = read_answer(sock)
+        assert (answer.status, answer.code) == (504, "deadline")
 
 
 def test_a_stalled_body_is_cut_and_the_client_told(server: Server) -> None:
