@@ -216,14 +216,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _shed_here(self) -> bool:
         """Answer 503 now, without ASGI, if this is a predict request the pod cannot take."""
         path = self.url.partition(b"?")[0]
-        if path not in self.shed_counts or (self.cycle and not self.cycle.response_complete):
+        if path not in self.shed_counts or self.parser.get_method() != b"POST":
+            return False
+        if self.cycle and not self.cycle.response_complete:  # pipelined: answers must keep their order
             return False
         reason = self.admission.shed_reason()
         if reason is None:
             return False
         self.shed_counts[path].inc()
         self._shed = True
-        if self._declared_length() <= self.settings.max_body_bytes:  # skip the body, keep the connection
+        # Skip the body and keep the connection, unless the body is unbounded or will never come (Expect: 100).
+        if not self.expect_100_continue and self._declared_length() <= self.settings.max_body_bytes:
             self._socket.write(self.refusals[f"{reason}+keep-alive"][1])
         else:
             self._refuse(reason)
@@ -233,7 +236,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         for name, value in self.headers:
             if name == b"content-length":
                 return int(value) if value.isdigit() else -1
-        return 0 if self.parser.get_method() in (b"GET", b"HEAD") else self.settings.max_body_bytes + 1
+        return self.settings.max_body_bytes + 1  # chunked: no length
 
     def _header_timeout(self) -> None:
         self._timer = None

@@ -310,6 +310,10 @@ def test_a_full_pod_sheds_at_the_headers_and_keeps_the_connection(tmp_path, toy_
             sock.sendall(request_head(extra="Transfer-Encoding: chunked\r\n") + b"10\r\n" + b"\0" * 16 + b"\r\n")
             answer = read_answer(sock)
             assert (answer.status, answer.code, answer.headers["connection"]) == (503, "queue_full", "close")
+        with connect(server) as sock:  # a client waiting for 100 Continue sends no body after a 503: close
+            sock.sendall(request_head(length=len(GOOD), extra="Expect: 100-continue\r\n"))
+            answer = read_answer(sock)
+            assert (answer.status, answer.code, answer.headers["connection"]) == (503, "queue_full", "close")
         assert held.result() == 200
-        assert server.metric("imgserve_requests_total", route="/predict", code="503") == 4
-        assert server.metric("imgserve_rejected_total", reason="queue_full") == 4
+        assert server.metric("imgserve_requests_total", route="/predict", code="503") == 5
+        assert server.metric("imgserve_rejected_total", reason="queue_full") == 5
