@@ -1,10 +1,14 @@
-"""Admission: the per-pod queue bound, drain refusal, body-size limit and each request's deadline.
+"""Admission: drain refusal, the upload bound, body-size limit, each request's deadline and the per-pod queue bound.
 
-It runs before the body is read, so an overloaded pod answers 503 at once instead of queueing without limit.
+Two separate bounds, so that slow uploads cannot hold the capacity complete requests need: at most `max_uploads`
+bodies are being received at once (per front-end process), and a request takes a place in the pod's queue
+(`max_queue_depth`, what `imgserve_queue_depth` counts) only once its whole body is in. A pod already full or
+draining answers 503 before reading the body (the connection layer does it even earlier, see connections.py).
 """
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 
@@ -16,6 +20,8 @@ from service.metrics import REJECTED
 from service.state import SharedState
 
 PREDICT_PATHS = ("/predict", "/v1/images:predict")
+SHED_MESSAGES = {"draining": "the server is shutting down", "queue_full": "the queue is full"}
+SECONDS = re.compile(r"\d+(\.\d*)?|\.\d+")
 
 
 def queue_bound(settings: Settings, workers: int, batch_size: int) -> int:
@@ -23,68 +29,125 @@ def queue_bound(settings: Settings, workers: int, batch_size: int) -> int:
     return settings.max_queue_depth or batch_size * workers * 4
 
 
-class AdmissionMiddleware:
-    """Admit a predict request only while the pod has room; stamp its deadline; count it out when answered."""
+class Admission:
+    """The pod-wide decision whether a new request may come in at all (draining, queue full)."""
 
-    def __init__(self, app: ASGIApp, state: SharedState, settings: Settings, limit: Callable[[], int]) -> None:
-        self.app, self.state, self.settings, self.limit = app, state, settings, limit
+    def __init__(self, state: SharedState, settings: Settings, limit: Callable[[], int]) -> None:
+        self.state, self.settings, self.limit = state, settings, limit
+        self._rejected = {reason: REJECTED.labels(reason) for reason in SHED_MESSAGES}
+
+    def shed_reason(self) -> str | None:
+        """draining or queue_full (counted as rejected), or None when there is room; allocates nothing."""
+        if self.state.draining:
+            reason = "draining"
+        elif self.state.queue_depth >= self.limit():
+            reason = "queue_full"
+        else:
+            return None
+        self._rejected[reason].inc()
+        return reason
+
+    def refusal(self) -> ApiError | None:
+        """The 503 for shed_reason(), or None."""
+        reason = self.shed_reason()
+        return None if reason is None else ApiError(503, reason, SHED_MESSAGES[reason], self.settings.retry_after_s)
+
+    def admit(self) -> None:
+        """Take a place in the pod's queue (release() gives it back), or raise 503 queue_full."""
+        limit = self.limit()
+        if not self.state.try_admit(limit):
+            raise self._shed("queue_full", f"{SHED_MESSAGES['queue_full']} ({limit} requests)")
+
+    def release(self) -> None:
+        self.state.release()
+
+    def _shed(self, reason: str, message: str) -> ApiError:
+        REJECTED.labels(reason).inc()
+        return ApiError(503, reason, message, retry_after=self.settings.retry_after_s)
+
+
+class AdmissionMiddleware:
+    """Receive a predict request's body under the upload bound, then admit it to the queue; count it out when done."""
+
+    def __init__(self, app: ASGIApp, admission: Admission, settings: Settings) -> None:
+        self.app, self.admission, self.settings = app, admission, settings
+        self.uploads = 0  # bodies being received by this front-end process
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] not in PREDICT_PATHS:
             return await self.app(scope, receive, send)
+        state = scope.setdefault("state", {})
         try:
-            deadline = self._deadline(scope)
+            deadline = self._deadline(scope, state.get("first_byte", time.monotonic()))
             self._check_declared_size(scope)
+            refusal = self.admission.refusal()
+            if refusal is not None:
+                raise refusal
+            body = await self._receive_body(receive, deadline)
+            if body is None:  # the client left, or the connection layer cut a too-slow upload
+                raise state.get("refusal") or ApiError(499, "client_disconnected", "the client left mid-upload")
+            self.admission.admit()
         except ApiError as error:
             return await error.response()(scope, receive, send)
-        if self.state.draining:
-            return await self._shed(scope, receive, send, "draining", "the server is shutting down")
-        limit = self.limit()
-        if not self.state.try_admit(limit):
-            return await self._shed(scope, receive, send, "queue_full", f"the queue is full ({limit} requests)")
-        scope.setdefault("state", {})["deadline"] = deadline
+        state["deadline"] = deadline
         try:
-            await self.app(scope, self._limited(receive), send)
+            await self.app(scope, _replay(body, receive), send)
         finally:
-            self.state.release()
+            self.admission.release()
 
-    async def _shed(self, scope: Scope, receive: Receive, send: Send, reason: str, message: str) -> None:
-        REJECTED.labels(reason).inc()
-        error = ApiError(503, reason, message, retry_after=self.settings.retry_after_s)
-        await error.response()(scope, receive, send)
+    async def _receive_body(self, receive: Receive, deadline: float) -> bytes | None:
+        """The whole body (None if the client disconnected), held to max_uploads, max_body_bytes and the deadline."""
+        if self.uploads >= self.settings.max_uploads:
+            REJECTED.labels("too_many_uploads").inc()
+            raise ApiError(503, "too_many_uploads", "too many uploads in progress", self.settings.retry_after_s)
+        self.uploads += 1
+        try:
+            chunks, seen, more = [], 0, True
+            while more:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return None
+                chunk, more = message.get("body", b""), message.get("more_body", False)
+                seen += len(chunk)
+                if seen > self.settings.max_body_bytes:
+                    raise _too_large(self.settings.max_body_bytes)
+                if more and time.monotonic() > deadline:
+                    REJECTED.labels("deadline").inc()
+                    raise ApiError(504, "deadline", "the upload did not end before the request's deadline")
+                chunks.append(chunk)
+            return b"".join(chunks)
+        finally:
+            self.uploads -= 1
 
-    def _deadline(self, scope: Scope) -> float:
-        """Monotonic time by which the answer is due: X-Request-Timeout (capped) or the default."""
+    def _deadline(self, scope: Scope, start: float) -> float:
+        """Monotonic time by which the answer is due, from the request's first byte: X-Request-Timeout or default."""
         timeout = self.settings.request_timeout_s
         raw = _header(scope, b"x-request-timeout")
         if raw is not None:
-            try:
-                timeout = float(raw)
-            except ValueError:
-                timeout = -1.0
+            timeout = float(raw) if SECONDS.fullmatch(raw.strip()) else 0.0
             if not 0 < timeout < float("inf"):
                 raise ApiError(422, "bad_timeout", "X-Request-Timeout must be a positive number of seconds")
             timeout = min(timeout, self.settings.max_request_timeout_s)
-        return time.monotonic() + timeout
+        return start + timeout
 
     def _check_declared_size(self, scope: Scope) -> None:
         raw = _header(scope, b"content-length")
         if raw is not None and raw.isdigit() and int(raw) > self.settings.max_body_bytes:
             raise _too_large(self.settings.max_body_bytes)
 
-    def _limited(self, receive: Receive) -> Receive:
-        """The body as it streams in, cut off at max_body_bytes (chunked uploads declare no length)."""
-        seen = 0
 
-        async def receive_limited() -> Message:
-            nonlocal seen
-            message = await receive()
-            seen += len(message.get("body", b""))
-            if seen > self.settings.max_body_bytes:
-                raise _too_large(self.settings.max_body_bytes)
-            return message
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body, already received, as one message; after it, the connection's own events (disconnect)."""
+    sent = False
 
-        return receive_limited
+    async def replay() -> Message:
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return replay
 
 
 def _too_large(limit: int) -> ApiError:

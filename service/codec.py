@@ -13,31 +13,48 @@ from service.errors import ApiError
 Image.MAX_IMAGE_PIXELS = None
 
 ACCEPTED_FORMATS = {"JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF", "MPO"}
+# A progressive JPEG's decode time grows with its scans (libjpeg has no limit); real encoders write about ten.
+MAX_JPEG_SCANS = 100
 OUTPUT_TYPES = {"jpeg": "image/jpeg", "png": "image/png", "webp": "image/webp"}
 
 
 def decode_image(data: bytes, max_pixels: int, size: int | None = None) -> np.ndarray:
-    """Untrusted image bytes -> uint8 HxWx3 RGB array, upright, first frame, alpha over white, 16-bit scaled."""
+    """Untrusted image bytes -> uint8 HxWx3 RGB array, upright, first frame, alpha over white, 16-bit scaled.
+
+    Whatever the bytes, the answer is pixels or an ApiError (400, 413, 415): Pillow's plugins raise nearly every
+    exception type on crafted input, so any of them means a corrupt image. Only the first frame is decoded, and
+    its pixel count is checked (and JPEG scans counted) before decoding, so the CPU per request is bounded.
+    """
     if not data:
         raise ApiError(400, "empty_body", "the request carried no image bytes")
     try:
         image = Image.open(io.BytesIO(data))
     except UnidentifiedImageError:
         raise ApiError(400, "not_an_image", "the body is not an image Pillow can read") from None
+    except Exception as exc:  # a known format whose header is broken
+        raise _corrupt(exc) from None
     if image.format not in ACCEPTED_FORMATS:
         raise ApiError(415, "unsupported_image_type", f"{image.format} images are not supported")
     width, height = image.size
     if width * height > max_pixels:
         raise ApiError(413, "image_too_large", f"{width}x{height} is over the limit of {max_pixels} pixels")
+    if image.format in ("JPEG", "MPO") and data.count(b"\xff\xda") > MAX_JPEG_SCANS:
+        raise ApiError(400, "corrupt_image", f"the JPEG has more than {MAX_JPEG_SCANS} scans")
     try:
         image.load()
         image = ImageOps.exif_transpose(image)
         rgb = _to_rgb(image)
-    except (OSError, SyntaxError, ValueError) as exc:
-        raise ApiError(400, "corrupt_image", f"the image could not be decoded: {exc}") from None
+    except Exception as exc:
+        raise _corrupt(exc) from None
     if size is not None:
         rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
     return np.array(rgb, dtype=np.uint8)
+
+
+def _corrupt(exc: Exception) -> ApiError:
+    if isinstance(exc, Image.DecompressionBombError):
+        return ApiError(413, "image_too_large", str(exc))
+    return ApiError(400, "corrupt_image", f"the image could not be decoded: {type(exc).__name__}: {exc}"[:300])
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:

@@ -99,6 +99,34 @@ class Settings(BaseSettings):
         16_777_216, ge=64, description="Largest width x height of an input image (413 above; stops bombs)."
     )
 
+    # Connections and uploads (each front-end process).
+    max_connections: int = Field(
+        1024, ge=1, description="Open connections per front-end process; past it a new one gets 503 and is closed."
+    )
+    header_timeout_s: float = Field(
+        5.0, gt=0, description="Time for a request's line and headers to arrive (408 and close after it)."
+    )
+    max_header_bytes: int = Field(16384, ge=1024, description="Largest request line + headers (431 above).")
+    max_headers: int = Field(100, ge=8, description="Most header fields in a request (431 above).")
+    body_timeout_s: float = Field(
+        10.0, gt=0, description="Longest silence within an upload, and the grace before min_upload_rate applies."
+    )
+    min_upload_rate: int = Field(
+        16384, ge=0, description="Slowest average upload, in bytes/s, after body_timeout_s (408 below; 0 = none)."
+    )
+    max_uploads: int = Field(
+        128, ge=1, description="Request bodies being received at once per front-end process (503 above)."
+    )
+
+    # Authentication.
+    api_key: str | None = Field(
+        None, description="Keys that may call /predict (comma separated, for rotation); none = no authentication."
+    )
+    api_key_file: str | None = Field(
+        None, description="File with one API key per line (a mounted Secret), re-read when it changes."
+    )
+    protect_metrics: bool = Field(False, description="Require an API key for /metrics and /info too.")
+
     # Output.
     output_format: Literal["jpeg", "png", "webp"] = Field("jpeg", description="Image format when none is asked.")
     jpeg_quality: int = Field(90, ge=1, le=100, description="JPEG/WebP quality when none is asked.")

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 
@@ -17,3 +20,25 @@ class ApiError(Exception):
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
         body = {"error": {"code": self.code, "message": self.message}}
         return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """404, 405 and Starlette's other HTTP errors, in the envelope (FastAPI would answer {"detail": ...})."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    message = f"{request.method} {request.url.path}: {exc.detail}"[:200]
+    response = ApiError(exc.status_code, code, message).response()
+    response.headers.update(exc.headers or {})  # Allow, for a 405
+    return response
+
+
+async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """An unexpected exception: a 500 envelope; uvicorn logs the traceback and closes, so the client is told."""
+    response = ApiError(500, "internal_error", "the server failed on this request").response()
+    response.headers["Connection"] = "close"
+    return response
+
+
+def install_handlers(app: Starlette) -> None:
+    """Every error the application answers is the JSON envelope, whatever raised it."""
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, internal_error)

@@ -19,7 +19,19 @@ from service.state import SharedState
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-REJECT_REASONS = ("queue_full", "draining", "deadline", "worker_lost")
+REJECT_REASONS = (
+    "queue_full",
+    "draining",
+    "deadline",
+    "worker_lost",
+    "too_many_uploads",
+    "too_many_connections",
+    "header_timeout",
+    "headers_too_large",
+    "too_many_headers",
+    "body_timeout",
+    "upload_too_slow",
+)
 ROUTES = {
     "/predict",
     "/v1/images:predict",

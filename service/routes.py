@@ -8,6 +8,7 @@ from typing import Any, Literal
 import numpy as np
 from litserve.utils import WorkerSetupStatus
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from python_multipart.multipart import parse_options_header
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -20,6 +21,7 @@ from service.errors import ApiError
 from service.state import SharedState
 
 INLINE_CODEC_BYTES = 32 * 1024  # uploads up to this size are decoded (and their answers encoded) on the event loop
+MAX_LISTED_PROBLEMS = 5
 
 
 class PredictParams(BaseModel):
@@ -36,14 +38,17 @@ def _params(request: Request) -> PredictParams:
     try:
         return PredictParams(**request.query_params)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
-        raise ApiError(422, "bad_parameters", problems) from None
+        errors = exc.errors()
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"[:100] for e in errors[:MAX_LISTED_PROBLEMS])
+        more = len(errors) - MAX_LISTED_PROBLEMS
+        raise ApiError(422, "bad_parameters", problems + (f"; and {more} more" if more > 0 else "")) from None
 
 
 async def _upload(request: Request) -> bytes:
     """The image bytes: the multipart field `file`, or the raw body with an image Content-Type."""
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media == "multipart/form-data":
+        _check_multipart_closed(request, await request.body())
         try:
             form = await request.form(max_files=1, max_fields=16)
         except StarletteHTTPException as exc:
@@ -66,6 +71,14 @@ async def _upload(request: Request) -> bytes:
 async def _call(inline: bool, function: Callable[..., Any], *args: Any) -> Any:
     """`function(*args)` on the event loop when `inline`, else in the thread pool."""
     return function(*args) if inline else await run_in_threadpool(function, *args)
+
+
+def _check_multipart_closed(request: Request, body: bytes) -> None:
+    """A body cut before its closing boundary is malformed (Starlette would parse it as a form without the file)."""
+    _, options = parse_options_header(request.headers["content-type"])
+    boundary = options.get(b"boundary", b"")
+    if not boundary or body.rfind(b"--" + boundary + b"--") < 0:
+        raise ApiError(400, "bad_multipart", "the multipart body has no boundary or is not closed by it")
 
 
 class Routes:

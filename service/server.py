@@ -20,11 +20,14 @@ from litserve.utils import WorkerSetupStatus
 from starlette.routing import Route
 
 from service import __version__, metrics
-from service.admission import AdmissionMiddleware, queue_bound
+from service.admission import Admission, AdmissionMiddleware, queue_bound
 from service.api import ImageAPI
+from service.auth import ApiKeyMiddleware, read_keys
 from service.batching import AUTO_BATCH_CAP
 from service.config import Settings, usable_cpus
+from service.connections import GuardedHttpToolsProtocol
 from service.dispatch import Dispatcher
+from service.errors import install_handlers
 from service.lifecycle import install_drain_on_sigterm, start_worker_monitor
 from service.models.loader import ModelLoadError, check_model_source
 from service.pixel_slots import create_directory, remove_directory
@@ -63,17 +66,21 @@ class ImageServer(ls.LitServer):
         self.dispatcher = Dispatcher(self.state, self.slot_directory, slots_per_front_end, settings.retry_after_s)
         self.torch_threads = max(1, usable_cpus() // self.worker_count)
         api = ImageAPI(settings, self.state, self.slot_directory, self.configured_batch_size, self.torch_threads)
+        self.admission = Admission(self.state, settings, lambda: self.queue_limit)
         super().__init__(
             api,
             accelerator=self.accelerator,
             devices=devices,
             workers_per_device=workers_per_device,
             timeout=False,  # deadlines are imgserve's (admission + worker), per request
-            middlewares=[
-                (AdmissionMiddleware, {"state": self.state, "settings": settings, "limit": lambda: self.queue_limit}),
+            disable_openapi_url=True,  # no /docs, /redoc, /openapi.json
+            middlewares=[  # the last is outermost
+                (AdmissionMiddleware, {"admission": self.admission, "settings": settings}),
+                (ApiKeyMiddleware, {"settings": settings}),
                 metrics.MetricsMiddleware,
             ],
         )
+        install_handlers(self.app)
         self._monitor_workers = False  # imgserve's own monitor answers for the dead worker's requests
         self.pod_collector = metrics.PodCollector(
             self.state, slot_directory, settings.model, settings.precision, self.device_names[0], __version__
@@ -182,6 +189,11 @@ def serve(settings: Settings) -> int:
     except ModelLoadError as exc:
         log.error("imgserve: %s", exc)
         return 2
+    try:
+        read_keys(settings)
+    except OSError as exc:
+        log.error("imgserve: cannot read --api-key-file: %s", exc)
+        return 2
     slot_directory = create_directory(os.getpid())
     try:
         server = ImageServer(settings, slot_directory)
@@ -193,6 +205,8 @@ def serve(settings: Settings) -> int:
             log_level=settings.log_level,
             generate_client_file=False,
             access_log=settings.access_log,
+            http=GuardedHttpToolsProtocol.configured(settings, server.admission),
+            ws="none",
         )
     except RuntimeError as exc:  # a worker's setup failed: its log above says why
         log.error("imgserve: the model failed to load or warm up (%s)", exc)

@@ -27,7 +27,7 @@ NAMESPACE = "imgserve-test"
 K8S_VERSION = "1.35.0"
 KEDA_CRD = TESTS / "data" / "keda.sh_scaledobjects.yaml"
 CRD_KINDS = {"ScaledObject", "ServiceMonitor", "PrometheusRule"}
-VALID = ["defaults", "hpa", "keda", "keda-dcgm", "cpu-only", "scale-to-zero"]
+VALID = ["defaults", "hpa", "keda", "keda-dcgm", "cpu-only", "scale-to-zero", "auth"]
 AUTOSCALED = ["hpa", "keda", "keda-dcgm", "scale-to-zero"]
 POD_SELECTOR = f'namespace="{NAMESPACE}",pod=~"{RELEASE}-.*"'
 
@@ -253,6 +253,32 @@ def test_model_sources(name: str, model: str, volume: str | None) -> None:
         (init,) = spec["initContainers"]
         assert init["image"] == container["image"]
         assert {m["mountPath"]: m.get("readOnly", False) for m in init["volumeMounts"]}["/models"] is False
+
+
+def test_api_key_from_an_existing_secret() -> None:
+    """auth.existingSecret is mounted as a directory (so a rotated Secret reaches the pod) and read as the key file;
+    the helm test sends the key, and with protectMetrics so does the ServiceMonitor. Without it, no auth at all."""
+    container = server_container("auth")
+    env = env_of(container)
+    assert (env["IMGSERVE_API_KEY_FILE"], env["IMGSERVE_PROTECT_METRICS"]) == (
+        "/var/run/secrets/imgserve/token",
+        "true",
+    )
+    volumes = {v["name"]: v for v in one("auth", "Deployment")["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["api-key"]["secret"] == {
+        "secretName": "imgserve-api-keys",
+        "items": [{"key": "token", "path": "token"}],
+    }
+    mount = {m["name"]: m for m in container["volumeMounts"]}["api-key"]
+    assert mount == {"name": "api-key", "mountPath": "/var/run/secrets/imgserve", "readOnly": True}  # no subPath
+    (test_container,) = one("auth", "Pod")["spec"]["containers"]
+    assert env_of(test_container)["API_KEY_FILE"] == "/var/run/secrets/imgserve/token"
+    assert mount in test_container["volumeMounts"]
+    (endpoint,) = one("auth", "ServiceMonitor")["spec"]["endpoints"]
+    assert endpoint["authorization"] == {"type": "Bearer", "credentials": {"name": "imgserve-api-keys", "key": "token"}}
+    defaults = server_container("defaults")
+    assert not {"IMGSERVE_API_KEY_FILE", "IMGSERVE_PROTECT_METRICS"} & env_of(defaults).keys()
+    assert "api-key" not in {m["name"] for m in defaults["volumeMounts"]}
 
 
 def test_probes_sized_for_model_load() -> None:

@@ -109,6 +109,10 @@ app.kubernetes.io/part-of: imgserve
 {{- $_ := set $env "MODEL" (include "imgserve.modelPath" .) }}
 {{- $_ := set $env "PORT" (toString .Values.containerPort) }}
 {{- $_ := set $env "HOST" "0.0.0.0" }}
+{{- if .Values.auth.existingSecret }}
+{{- $_ := set $env "API_KEY_FILE" (printf "%s/%s" (include "imgserve.apiKeyDir" .) .Values.auth.secretKey) }}
+{{- $_ := set $env "PROTECT_METRICS" (toString .Values.auth.protectMetrics) }}
+{{- end }}
 {{- range $key, $value := $env }}
 - name: IMGSERVE_{{ $key }}
   value: {{ $value | quote }}
@@ -187,5 +191,22 @@ checkov.io/skip{{ $n }}: "CKV_K8S_43=pinning by digest is the user's choice via 
 checkov.io/skip{{ $n }}: "CKV_K8S_8=a one-shot helm test Pod that exits after one request has nothing to probe for liveness"
 {{- $n = add1 $n }}
 checkov.io/skip{{ $n }}: "CKV_K8S_9=a one-shot helm test Pod receives no traffic, so readiness means nothing"
+{{- end }}
+{{- end }}
+
+{{/* Where the API key Secret is mounted (a directory, so that a rotated Secret reaches the pod). */}}
+{{- define "imgserve.apiKeyDir" -}}
+/var/run/secrets/imgserve
+{{- end }}
+
+{{/* The API key Secret as a volume (server and helm test), when auth.existingSecret is set. */}}
+{{- define "imgserve.apiKeyVolume" -}}
+{{- with .Values.auth.existingSecret -}}
+- name: api-key
+  secret:
+    secretName: {{ . }}
+    items:
+      - key: {{ $.Values.auth.secretKey }}
+        path: {{ $.Values.auth.secretKey }}
 {{- end }}
 {{- end }}

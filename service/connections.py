@@ -1,0 +1,282 @@
+"""The connection layer: uvicorn's httptools protocol with the limits that stop one client from starving the others.
+
+httptools bounds neither headers nor time, so each connection here is held to: `max_connections` open at once
+(503), `header_timeout_s` for the request line and headers (408), `max_header_bytes` / `max_headers` (431),
+`body_timeout_s` of silence and `min_upload_rate` within a body (408). Each refusal is a pre-built JSON error
+with `Connection: close`, then a lingering close (our side shut, the client's late bytes read and dropped for a
+moment) so that a client still sending reads its answer instead of a reset. An answer sent before the body is in
+always carries `Connection: close`. A predict request that the pod cannot take (queue full, draining) is answered
+503 here, before any ASGI work, and its body is skipped, keeping the connection for the client's retry.
+
+Built on uvicorn's HttpToolsProtocol internals: pyproject.toml pins the uvicorn versions it was tested with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http
+import json
+import time
+from typing import Any, ClassVar
+
+import httptools
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from service import metrics
+from service.admission import PREDICT_PATHS, SHED_MESSAGES, Admission
+from service.config import Settings
+from service.errors import ApiError
+
+LINGER_S = 2.0  # how long a refused client's late bytes are read and dropped before the socket closes
+_IDLE, _HEADERS, _BODY = 0, 1, 2
+
+
+def raw_response(error: ApiError, close: bool = True) -> bytes:
+    """The whole HTTP/1.1 answer for `error`, as bytes written straight to the socket."""
+    body = json.dumps({"error": {"code": error.code, "message": error.message}}).encode()
+    lines = [
+        f"HTTP/1.1 {error.status} {http.HTTPStatus(error.status).phrase}",
+        "content-type: application/json",
+        f"content-length: {len(body)}",
+    ]
+    if error.retry_after is not None:
+        lines.append(f"retry-after: {error.retry_after}")
+    if close:
+        lines.append("connection: close")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+class _Refused(Exception):
+    """Raised from a parser callback to stop parsing a request that broke a limit."""
+
+
+class _Transport:
+    """The socket as uvicorn's request cycle sees it: its close() becomes the protocol's lingering close."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedHttpToolsProtocol) -> None:
+        self._transport = transport
+        self.write = transport.write
+        self.close = protocol.close_connection
+        self.is_closing = protocol.is_closing
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class GuardedHttpToolsProtocol(HttpToolsProtocol):
+    """HttpToolsProtocol with connection, header, time and upload-rate limits; see the module docstring."""
+
+    settings: ClassVar[Settings]
+    admission: ClassVar[Admission]
+    refusals: ClassVar[dict[str, tuple[ApiError, bytes]]]  # pre-built answers by name
+    shed_counts: ClassVar[dict[bytes, Any]]  # imgserve_requests_total{route, code="503"} of each predict path
+
+    @classmethod
+    def configured(cls, settings: Settings, admission: Admission) -> type[GuardedHttpToolsProtocol]:
+        """The protocol class for uvicorn's `http=` option, bound to this server's settings and admission."""
+        retry = settings.retry_after_s
+        errors = [
+            ApiError(503, "too_many_connections", "too many open connections", retry),
+            ApiError(408, "header_timeout", f"the headers did not arrive within {settings.header_timeout_s} s"),
+            ApiError(431, "headers_too_large", f"the headers are over {settings.max_header_bytes} bytes"),
+            ApiError(431, "too_many_headers", f"more than {settings.max_headers} header fields"),
+            ApiError(408, "body_timeout", f"no upload bytes for {settings.body_timeout_s} s"),
+            ApiError(408, "upload_too_slow", f"the upload is slower than {settings.min_upload_rate} bytes/s"),
+            ApiError(400, "bad_request", "the request is not valid HTTP/1.1"),
+        ]
+        for reason in ("queue_full", "draining"):
+            errors.append(ApiError(503, reason, SHED_MESSAGES[reason], retry))
+        refusals = {error.code: (error, raw_response(error)) for error in errors}
+        refusals |= {f"{e.code}+keep-alive": (e, raw_response(e, close=False)) for e in errors if e.status == 503}
+        shed_counts = {path.encode(): metrics.REQUESTS.labels(path, "503") for path in PREDICT_PATHS}
+        attributes = {"settings": settings, "admission": admission, "refusals": refusals, "shed_counts": shed_counts}
+        return type(cls.__name__, (cls,), attributes)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._phase = _IDLE
+        self._timer: asyncio.TimerHandle | None = None
+        self._header_stream = self._header_bytes = self._header_fields = 0  # bytes received, parsed; fields
+        self._body_bytes, self._body_started, self._body_seen = 0, 0.0, 0.0
+        self._keep_alive = True  # what the client asked for, while uvicorn's cycle is told to close
+        self._shed = False  # the current request was answered here; its body is skipped
+        self._lingering = False
+        self._refusal: str | None = None
+
+    # Connection.
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._socket = transport
+        self.transport = _Transport(transport, self)  # type: ignore[assignment]
+        if len(self.connections) > self.settings.max_connections:
+            return self._refuse("too_many_connections", "too_many_connections")
+        self._timer = self.loop.call_later(self.settings.header_timeout_s, self._header_timeout)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_timer()
+        super().connection_lost(exc)
+
+    def is_closing(self) -> bool:
+        return self._lingering or self._socket.is_closing()
+
+    def close_connection(self, linger: bool | None = None) -> None:
+        """Close; if the client may still be sending, shut our side first and drop its bytes for LINGER_S."""
+        if self.is_closing():
+            return
+        self._cancel_timer()
+        if linger is None:
+            linger = self._phase != _IDLE  # within a request: the client may still be sending it
+        if not linger or not self._socket.can_write_eof():
+            return self._socket.close()
+        self._lingering = True
+        self.flow.resume_reading()
+        self._socket.write_eof()
+        self._timer = self.loop.call_later(LINGER_S, self._socket.close)
+
+    def shutdown(self) -> None:
+        self._keep_alive = False
+        super().shutdown()
+
+    def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return
+        if self._phase != _BODY:
+            self._header_stream += len(data)
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            pass  # no upgrades (websockets are off): the request goes on as plain HTTP, like uvicorn's
+        except httptools.HttpParserError as exc:
+            if self._refusal is None:
+                self.logger.debug("invalid HTTP request: %s", exc, exc_info=exc.__context__)
+            return self._refuse(self._refusal or "bad_request", self._refusal)
+        if self._phase == _HEADERS:
+            if self._header_stream > self.settings.max_header_bytes:  # headers that never end
+                self._refuse("headers_too_large", "headers_too_large")
+        elif self._phase == _BODY and self._timer is None:
+            self._timer = self.loop.call_later(self._check_every, self._check_upload)
+
+    def send_400_response(self, msg: str) -> None:
+        self._refuse("bad_request")
+
+    # Parser callbacks.
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope["state"]["first_byte"] = time.monotonic()  # the request's deadline counts from here
+        self._phase, self._header_bytes, self._header_fields, self._shed = _HEADERS, 0, 0, False
+        if self._timer is None:
+            self._timer = self.loop.call_later(self.settings.header_timeout_s, self._header_timeout)
+
+    def on_url(self, url: bytes) -> None:
+        self._count_header_bytes(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._header_fields += 1
+        if self._header_fields > self.settings.max_headers:
+            self._refusal = "too_many_headers"
+            raise _Refused
+        self._count_header_bytes(len(name) + len(value) + 4)
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._cancel_timer()
+        self._phase, self._header_stream = _BODY, 0
+        self._body_bytes, self._body_started = 0, self.loop.time()
+        self._body_seen = self._body_started
+        if self._shed_here():
+            return
+        super().on_headers_complete()
+        self._keep_alive = self.cycle.keep_alive
+        self.cycle.keep_alive = False  # until the body is in: an answer before that closes the connection
+
+    def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
+        self._body_seen = self.loop.time()
+        if not self._shed:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._cancel_timer()
+        self._phase = _IDLE
+        if self._shed:
+            return self.on_response_complete()  # the 503 went out at the headers: arm keep-alive, go on
+        if not self.cycle.response_started:
+            self.cycle.keep_alive = self._keep_alive
+        super().on_message_complete()
+
+    # Limits.
+    def _count_header_bytes(self, size: int) -> None:
+        self._header_bytes += size
+        if self._header_bytes > self.settings.max_header_bytes:
+            self._refusal = "headers_too_large"
+            raise _Refused
+
+    def _shed_here(self) -> bool:
+        """Answer 503 now, without ASGI, if this is a predict request the pod cannot take."""
+        path = self.url.partition(b"?")[0]
+        if path not in self.shed_counts or self.parser.get_method() != b"POST":
+            return False
+        if self.cycle and not self.cycle.response_complete:  # pipelined: answers must keep their order
+            return False
+        reason = self.admission.shed_reason()
+        if reason is None:
+            return False
+        self.shed_counts[path].inc()
+        self._shed = True
+        # Skip the body and keep the connection, unless the body is unbounded or will never come (Expect: 100).
+        if not self.expect_100_continue and self._declared_length() <= self.settings.max_body_bytes:
+            self._socket.write(self.refusals[f"{reason}+keep-alive"][1])
+        else:
+            self._refuse(reason)
+        return True
+
+    def _declared_length(self) -> int:
+        for name, value in self.headers:
+            if name == b"content-length":
+                return int(value) if value.isdigit() else -1
+        return self.settings.max_body_bytes + 1  # chunked: no length
+
+    def _header_timeout(self) -> None:
+        self._timer = None
+        if self._phase == _IDLE:  # a connection that never sent a byte
+            return self.close_connection(linger=False)
+        self._refuse("header_timeout", "header_timeout")
+
+    @property
+    def _check_every(self) -> float:
+        return min(1.0, self.settings.body_timeout_s / 2)
+
+    def _check_upload(self) -> None:
+        """Every second of an upload: cut it after body_timeout_s of silence or when it is slower than allowed."""
+        self._timer = None
+        now = self.loop.time()
+        if self.flow.read_paused:  # the application is not reading: the client is not to blame
+            self._body_seen = now
+            self._body_started += self._check_every
+        elapsed = now - self._body_started
+        if now - self._body_seen > self.settings.body_timeout_s:
+            return self._refuse("body_timeout", "body_timeout")
+        if elapsed > self.settings.body_timeout_s and self._body_bytes < self.settings.min_upload_rate * elapsed:
+            return self._refuse("upload_too_slow", "upload_too_slow")
+        self._timer = self.loop.call_later(self._check_every, self._check_upload)
+
+    def _refuse(self, answer: str, reason: str | None = None) -> None:
+        """Answer with a pre-built error (unless this request's answer already started) and close."""
+        if reason is not None:
+            metrics.REJECTED.labels(reason).inc()
+        error, response = self.refusals[answer]
+        cycle = self.cycle if self._phase == _BODY and not self._shed else None
+        if cycle is None or not cycle.response_started:
+            self._socket.write(response)
+        if cycle is not None:  # the application stops waiting for the body and learns why (for its metrics)
+            self.scope["state"]["refusal"] = ApiError(error.status, error.code, error.message)
+            cycle.disconnected = True
+            cycle.message_event.set()
+        self.close_connection(linger=True)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None

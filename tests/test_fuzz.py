@@ -1,0 +1,121 @@
+"""Mutation fuzz of every accepted image format against one real server: any bytes get 200, 400, 413 or 415."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import time
+from collections import Counter
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+from PIL import Image
+from serving import Server, running_server
+
+SEED, CASES, BUDGET_S = 14, 4000, 60
+ALLOWED = {200, 400, 413, 415}
+
+
+def seeds() -> dict[str, bytes]:
+    """Small valid images of each accepted format and of the modes and codecs that take other decoder paths."""
+    rng = np.random.default_rng(SEED)
+    rgb = Image.fromarray(rng.integers(0, 256, (24, 32, 3), dtype=np.uint8))
+    out: dict[str, bytes] = {}
+
+    def save(name: str, image: Image.Image, fmt: str, **options: object) -> None:
+        buffer = io.BytesIO()
+        image.save(buffer, format=fmt, **options)
+        out[name] = buffer.getvalue()
+
+    save("jpeg", rgb, "JPEG", quality=80)
+    save("jpeg-progressive", rgb, "JPEG", progressive=True)
+    save("jpeg-cmyk", rgb.convert("CMYK"), "JPEG")
+    save("png", rgb, "PNG")
+    save("png-palette-alpha", rgb.convert("P"), "PNG", transparency=0)
+    save("png-16bit", Image.fromarray(np.asarray(rgb.convert("L"), dtype=np.uint16) * 257), "PNG")
+    save("webp", rgb, "WEBP", quality=70)
+    save("webp-lossless", rgb.convert("RGBA"), "WEBP", lossless=True)
+    save("bmp", rgb, "BMP")
+    save("bmp-rle", rgb.convert("P"), "BMP")
+    save("gif", rgb.convert("P"), "GIF")
+    save("gif-animated", rgb.convert("P"), "GIF", save_all=True, append_images=[rgb.rotate(90).convert("P")])
+    save("tiff", rgb, "TIFF")
+    save("tiff-lzw", rgb, "TIFF", compression="tiff_lzw")
+    save("tiff-deflate", rgb.convert("L"), "TIFF", compression="tiff_adobe_deflate")
+    return out
+
+
+def mutate(data: bytes, rng: random.Random) -> bytes:
+    """One mutation: a cut, overwritten header bytes, bit flips, a duplicated or removed slice, or a size field."""
+    kind = rng.randrange(6)
+    buffer = bytearray(data)
+    if kind == 0:
+        return bytes(buffer[: rng.randrange(len(buffer))])
+    if kind == 1:  # header fields: sizes, depths, offsets, codes live in the first bytes
+        for _ in range(rng.randint(1, 4)):
+            buffer[rng.randrange(min(64, len(buffer)))] = rng.choice((0, 1, 0x7F, 0x80, 0xFF, rng.randrange(256)))
+    elif kind == 2:
+        for _ in range(rng.randint(1, 16)):
+            position = rng.randrange(len(buffer))
+            buffer[position] ^= 1 << rng.randrange(8)
+    elif kind == 3:
+        start = rng.randrange(len(buffer))
+        buffer[start:start] = buffer[start : start + rng.randint(1, 256)]
+    elif kind == 4:
+        start = rng.randrange(len(buffer))
+        del buffer[start : start + rng.randint(1, 64)]
+    else:  # a 16- or 32-bit field set to an extreme
+        position = rng.randrange(max(1, min(128, len(buffer) - 4)))
+        buffer[position : position + 4] = rng.choice((b"\xff\xff\xff\xff", b"\x00\x00\x00\x00", b"\x7f\xff\x00\x01"))
+    return bytes(buffer)
+
+
+def cases() -> Iterator[tuple[str, bytes]]:
+    rng = random.Random(SEED)
+    originals = seeds()
+    names = sorted(originals)
+    for index in range(CASES):
+        name = names[index % len(names)]
+        data = originals[name]
+        for _ in range(rng.choice((1, 1, 1, 2, 3))):
+            data = mutate(data, rng)
+        yield name, data
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with running_server(tmp_path_factory.mktemp("logs"), max_image_pixels=1_000_000, batch_timeout_ms=2) as running:
+        yield running
+
+
+def test_mutated_images_get_a_clear_answer_and_the_server_stays_healthy(server: Server) -> None:
+    end = time.monotonic() + BUDGET_S
+    statuses: Counter[int] = Counter()
+    wrong: list[str] = []
+
+    def post_all(share: list[tuple[str, bytes]]) -> None:
+        with httpx.Client(timeout=60) as client:  # keep-alive: an error must not cost the next request
+            for name, data in share:
+                if time.monotonic() > end:
+                    return
+                response = client.post(f"{server.url}/predict", content=data, headers={"Content-Type": "image/png"})
+                statuses[response.status_code] += 1
+                if response.status_code not in ALLOWED:
+                    wrong.append(f"{name}: {response.status_code} {response.text[:200]}")
+                elif response.status_code != 200:
+                    assert response.headers["content-type"] == "application/json"
+                    assert json.loads(response.content)["error"]["code"]
+
+    all_cases = list(cases())
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(post_all, [all_cases[i::4] for i in range(4)]))
+    assert wrong == [], wrong[:10]
+    assert sum(statuses.values()) >= 1000, statuses  # enough cases ran within the time budget
+    assert statuses[200] and statuses[400], statuses
+    assert httpx.get(f"{server.url}/health/ready").status_code == 200
+    assert server.metric("imgserve_requests_total", route="/predict", code="500") == 0
+    assert "Traceback" not in server.log()
