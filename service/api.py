@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import litserve as ls
 import numpy as np
 import torch
 
-from service import metrics
+from service import metrics, tasks
 from service.batching import BatchRunner
-from service.codec import from_tensor, to_tensor
+from service.codec import to_tensor
 from service.config import Settings
 from service.errors import ApiError
 from service.gather import GatheringLoop
-from service.models.loader import load_model
+from service.models.loader import ModelLoadError, load_model
 from service.state import SharedState
 
 log = logging.getLogger(__name__)
@@ -37,15 +39,20 @@ class ImageAPI(ls.LitAPI):
         settings.configure_logging()
         torch_device = torch.device(device)
         torch.set_num_threads(self.torch_threads)  # the worker's share of the cores: no oversubscription
-        model = load_model(settings.model, settings.model_factory, settings.trust_pickle)
-        if isinstance(model, torch.nn.Module):
-            model = model.to(torch_device)  # the loader already set eval mode (torch.export programs refuse eval())
+        with self._reported("cannot load the model"):
+            model = load_model(settings.model, settings.model_factory, settings.trust_pickle)
+            if isinstance(model, torch.nn.Module):
+                model = model.to(torch_device)  # the loader already set eval mode (torch.export refuses eval())
         self.runner = BatchRunner.for_settings(model, torch_device, settings, on_oom=metrics.OOM_SPLITS.inc)
-        try:
+        with self._reported(
+            f"the model failed warm-up on {device} with a {self.runner.probe_side}x{self.runner.probe_side} image"
+        ):
             memory = self.runner.measure(settings.gpu_memory_fraction)
-        except Exception as exc:
-            log.error("imgserve: model failed warm-up on %s: %s", device, exc)
-            raise
+            # issue 15: the output kind, decided from the warm-up output; the labels must name every class.
+            self.kind = tasks.decide(self.runner.warmup_output, settings.task)
+            classes = tasks.class_count(self.kind, self.runner.warmup_output)
+            tasks.check_labels(tasks.read_labels(settings.labels), classes, settings.labels)
+        self.state.set_task(self.kind)
         if settings.max_batch_size == "auto":
             self.max_batch_size = memory.batch_size_at(settings.max_image_pixels)
         self.state.set_limits(self.max_batch_size, memory.pixel_budget)
@@ -57,6 +64,16 @@ class ImageAPI(ls.LitAPI):
             memory.pixel_budget,
             self.max_batch_size,
         )
+
+    @contextlib.contextmanager
+    def _reported(self, failure: str) -> Iterator[None]:
+        """A failure inside the block becomes the one-line reason `imgserve serve` ends with, then re-raises."""
+        try:
+            yield
+        except Exception as exc:
+            reason = str(exc) if isinstance(exc, ModelLoadError) else f"{failure}: {type(exc).__name__}: {exc}"
+            self.state.fail_setup(" ".join(reason.split()))
+            raise
 
     def decode_request(self, request: dict[str, Any]) -> dict[str, Any]:
         """Pixels from the front end -> the model's input tensor; the deadline travels along."""
@@ -93,10 +110,8 @@ class ImageAPI(ls.LitAPI):
     def unbatch(self, output: list[torch.Tensor | ApiError]) -> list[torch.Tensor | ApiError]:
         return output
 
-    def encode_response(self, output: torch.Tensor | ApiError) -> np.ndarray | ApiError:
-        """An image -> uint8 HxWxC pixels; class scores -> float32 vector; errors pass through to the front end."""
+    def encode_response(self, output: Any) -> np.ndarray | dict | ApiError:
+        """One image's output -> its small result (tasks.result); errors pass through to the front end."""
         if isinstance(output, ApiError):
             return output
-        if output.ndim == 3:
-            return from_tensor(output)
-        return output.float().numpy()
+        return tasks.result(self.kind, output)

@@ -7,16 +7,18 @@ import logging
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from service import preprocess, tasks
 from service.config import Settings
 from service.errors import ApiError
 
 log = logging.getLogger(__name__)
 
-PROBE_SIDE = 256
+PROBE_SIDE = 256  # the warm-up image's side when the model has no fixed --input-size
 AUTO_BATCH_CAP = 256
 MAX_PAD_WASTE = 2.0  # a padded chunk may hold at most twice the real pixels
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -62,7 +64,10 @@ def plan_chunks(sizes: list[tuple[int, int]], pixel_budget: int, max_waste: floa
 
 
 class BatchRunner:
-    """Runs a model over a list of 3xHxW tensors of any sizes; returns one output (or ApiError) per input."""
+    """Runs a model over a list of 3xHxW tensors of any sizes; returns one output (or ApiError) per input.
+
+    mean/std normalize each batch on the device; probe_side is the warm-up image's size (the model's input size).
+    """
 
     def __init__(
         self,
@@ -72,9 +77,14 @@ class BatchRunner:
         precision: str = "fp32",
         pad: bool = False,
         channels_last: bool = False,
+        mean: tuple[float, ...] | None = None,
+        std: tuple[float, ...] | None = None,
+        probe_side: int = PROBE_SIDE,
         on_oom: Callable[[], None] = lambda: None,
     ) -> None:
         self.model, self.device, self.precision, self.on_oom = model, device, precision, on_oom
+        self.mean, self.std, self.probe_side = mean, std, probe_side
+        self.warmup_output = None  # the model's answer to the probe: tasks.decide reads the output kind from it
         self.max_waste = MAX_PAD_WASTE if pad else 1.0
         self.memory = MemoryPlan(bytes_per_pixel=1.0, budget_bytes=2**62)
         self._use_layout(channels_last)
@@ -90,6 +100,9 @@ class BatchRunner:
             precision=settings.precision,
             pad=settings.pads_on(device.type),
             channels_last=settings.channels_last,
+            mean=settings.mean,
+            std=settings.std,
+            probe_side=settings.input_size or PROBE_SIDE,
             on_oom=on_oom,
         )
 
@@ -135,61 +148,53 @@ class BatchRunner:
             [F.pad(im[None], (0, width - im.shape[-1], 0, height - im.shape[-2]), mode="replicate")[0] for im in images]
         )
         output = self.forward(batch)
-        if output.ndim == 4:
-            scale_h, scale_w = output.shape[-2] / height, output.shape[-1] / width
-            return [
-                out[:, : round(im.shape[-2] * scale_h), : round(im.shape[-1] * scale_w)]
-                for out, im in zip(output, images, strict=True)
-            ]
-        if output.ndim == 2:
-            return list(output)
-        raise ApiError(500, "bad_model_output", f"model output of shape {tuple(output.shape)} is not NxCxHxW or NxK")
+        return tasks.split(output, [tuple(im.shape[-2:]) for im in images], (height, width))
 
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        """One model call under inference mode, with autocast for fp16/bf16."""
+    def forward(self, batch: torch.Tensor) -> Any:
+        """One model call under inference mode, with autocast for fp16/bf16; the output is on the CPU."""
         autocast = (
             torch.autocast(self.device.type, dtype=DTYPES[self.precision])
             if self.precision in DTYPES
             else contextlib.nullcontext()
         )
-        batch = batch.to(self.device, non_blocking=True)
+        batch = preprocess.normalize(batch.to(self.device, non_blocking=True), self.mean, self.std)
         if self.channels_last:
             batch = batch.contiguous(memory_format=torch.channels_last)
         with torch.inference_mode(), autocast:
             output = self.model(batch)
-        return output.float().cpu()
+        return tasks.to_cpu(output)
 
     def measure(self, memory_fraction: float) -> MemoryPlan:
         """Warm up on a probe image and measure peak memory per pixel (CUDA allocator, or peak RSS on CPU)."""
-        probe = torch.rand(1, 3, PROBE_SIDE, PROBE_SIDE)
+        probe = torch.rand(1, 3, self.probe_side, self.probe_side)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
-            self._first_forward(probe)
+            self.warmup_output = self._first_forward(probe)
             peak = torch.cuda.max_memory_allocated(self.device) - base
             free, _ = torch.cuda.mem_get_info(self.device)
         else:
             base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            self._first_forward(probe)
+            self.warmup_output = self._first_forward(probe)
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
             free = _available_ram()
         # Activations cannot be smaller than the input and output themselves.
         floor = 2 * probe.numel() * probe.element_size()
-        self.memory = MemoryPlan(max(peak, floor) / PROBE_SIDE**2, int(memory_fraction * free))
+        self.memory = MemoryPlan(max(peak, floor) / self.probe_side**2, int(memory_fraction * free))
         return self.memory
 
-    def _first_forward(self, probe: torch.Tensor) -> None:
+    def _first_forward(self, probe: torch.Tensor) -> Any:
         """The warm-up call; a model that refuses channels_last input (e.g. it .view()s it) falls back to NCHW."""
         if not self.channels_last:
-            self.forward(probe)
-            return
+            return self.forward(probe)
         try:
-            self.forward(probe)
+            return self.forward(probe)
         except Exception as exc:
             self._use_layout(False)
-            self.forward(probe)  # a model that fails in NCHW too raises here, with its own error
+            output = self.forward(probe)  # a model that fails in NCHW too raises here, with its own error
             log.warning("the model fails on channels_last input (%s): running it in NCHW", exc)
+            return output
 
 
 def _available_ram() -> int:

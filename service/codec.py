@@ -9,6 +9,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from service.errors import ApiError
+from service.preprocess import Prepared, Preprocess
 
 # We check the pixel count ourselves (413), before Pillow decodes anything.
 Image.MAX_IMAGE_PIXELS = None
@@ -17,8 +18,9 @@ ACCEPTED_FORMATS = {"JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF", "MPO"}
 OUTPUT_TYPES = {"jpeg": "image/jpeg", "png": "image/png", "webp": "image/webp"}
 
 
-def decode_image(data: bytes, max_pixels: int, size: int | None = None) -> np.ndarray:
-    """Untrusted image bytes -> uint8 HxWx3 RGB array, upright, first frame, alpha over white, 16-bit scaled."""
+def decode_image(data: bytes, max_pixels: int, preprocess: Preprocess | None = None) -> Prepared:
+    """Untrusted image bytes -> uint8 HxWx3 RGB array, upright, first frame, alpha over white, 16-bit scaled,
+    resized/cropped for the model, with the geometry that maps the model's answer back to the upload."""
     if not data:
         raise ApiError(400, "empty_body", "the request carried no image bytes")
     try:
@@ -36,9 +38,7 @@ def decode_image(data: bytes, max_pixels: int, size: int | None = None) -> np.nd
         rgb = _to_rgb(image)
     except (OSError, SyntaxError, ValueError) as exc:
         raise ApiError(400, "corrupt_image", f"the image could not be decoded: {exc}") from None
-    if size is not None:
-        rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
-    return np.array(rgb, dtype=np.uint8)
+    return (preprocess or Preprocess())(rgb)  # issue 15: resize/crop as torchvision's weight transforms
 
 
 def _to_rgb(image: Image.Image) -> Image.Image:
@@ -47,10 +47,13 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         scale = 255.0 / 65535.0 if wide.max(initial=0) > 255 else 1.0
         image = Image.fromarray(np.clip(wide * scale, 0, 255).astype(np.uint8), mode="L")
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
+        return _over_white(image.convert("RGBA"))
     return image.convert("RGB")
+
+
+def _over_white(rgba: Image.Image) -> Image.Image:
+    background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(background, rgba).convert("RGB")
 
 
 def to_tensor(pixels: np.ndarray) -> torch.Tensor:
@@ -59,14 +62,21 @@ def to_tensor(pixels: np.ndarray) -> torch.Tensor:
 
 
 def from_tensor(image: torch.Tensor) -> np.ndarray:
-    """Model output CxHxW in [0, 1] -> uint8 HxWxC (C is 1 or 3)."""
+    """Model output CxHxW in [0, 1] -> uint8 HxWxC (C is 1, 3 or 4)."""
     array = image.detach().float().clamp(0, 1).mul(255).round().to(torch.uint8).cpu()
     return array.permute(1, 2, 0).numpy()
 
 
 def encode_image(pixels: np.ndarray, fmt: str, quality: int) -> bytes:
-    """uint8 HxWxC -> JPEG/PNG/WebP bytes."""
+    """uint8 HxWxC -> JPEG/PNG/WebP bytes; RGBA keeps its alpha in PNG/WebP, JPEG gets it composited over white."""
     image = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
+    if image.mode == "RGBA" and fmt == "jpeg":
+        image = _over_white(image)
+    return save(image, fmt, quality)
+
+
+def save(image: Image.Image, fmt: str, quality: int = 90) -> bytes:
+    """A Pillow image -> JPEG/PNG/WebP bytes (PNG at fast compression)."""
     buffer = io.BytesIO()
     options = {"quality": quality} if fmt in ("jpeg", "webp") else {"compress_level": 1}
     image.save(buffer, format=fmt.upper(), **options)

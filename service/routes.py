@@ -8,7 +8,6 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
 from litserve.utils import LitAPIStatus, ResponseBufferItem, WorkerSetupStatus
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.concurrency import run_in_threadpool
@@ -16,8 +15,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from service import codec, metrics
+from service import codec, metrics, tasks
 from service.errors import ApiError
+from service.preprocess import Preprocess
 
 if TYPE_CHECKING:
     from service.server import ImageServer
@@ -30,9 +30,10 @@ class PredictParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    format: Literal["jpeg", "png", "webp"] | None = None
+    format: Literal["jpeg", "png", "webp", "json"] | None = None
     quality: int | None = Field(None, ge=1, le=100)
     top_k: int = Field(5, ge=1, le=1000)
+    score_threshold: float = Field(0.5, ge=0, le=1)
 
 
 def _params(request: Request) -> PredictParams:
@@ -72,7 +73,8 @@ class Routes:
     def __init__(self, server: ImageServer) -> None:
         self.server = server
         self.settings, self.state = server.settings, server.state
-        self.labels = _read_labels(self.settings.labels)
+        self.preprocess = Preprocess.from_settings(self.settings)
+        self.renderer = tasks.Renderer(self.settings, tasks.read_labels(self.settings.labels))
         self._free_slots: list[int] | None = None  # this front end's slots in the shared taken-by table
         self._tickets = itertools.count(1)
 
@@ -80,16 +82,19 @@ class Routes:
         try:
             params = _params(request)
             data = await _upload(request)
-            pixels = await run_in_threadpool(
-                codec.decode_image, data, self.settings.max_image_pixels, self.settings.input_size
+            pixels, geometry = await run_in_threadpool(
+                codec.decode_image, data, self.settings.max_image_pixels, self.preprocess
             )
             payload = {
                 "pixels": pixels,
+                "geometry": geometry,  # issue 15: the upload's size and crop, to map masks and boxes back
                 "deadline": request.scope["state"]["deadline"],
                 "admitted": time.monotonic(),
             }
             output = await self._dispatch(payload)
-            return await run_in_threadpool(self._render, output, params, request.headers.get("accept", ""))
+            return await run_in_threadpool(
+                self.renderer, self.state.task, output, payload["geometry"], params, request.headers.get("accept", "")
+            )
         except ApiError as error:
             return error.response()
 
@@ -133,21 +138,6 @@ class Routes:
             raise output
         return output
 
-    def _render(self, output: np.ndarray, params: PredictParams, accept: str) -> Response:
-        if output.dtype == np.uint8:
-            fmt = codec.choose_format(params.format, accept, self.settings.output_format)
-            body = codec.encode_image(output, fmt, params.quality or self.settings.jpeg_quality)
-            return Response(body, media_type=codec.OUTPUT_TYPES[fmt])
-        scores = np.exp(output - output.max())
-        scores /= scores.sum()
-        top = np.argsort(-scores)[: params.top_k]
-        return JSONResponse(
-            {"top_k": [{"index": int(i), "label": self._label(int(i)), "score": float(scores[i])} for i in top]}
-        )
-
-    def _label(self, index: int) -> str | None:
-        return self.labels[index] if index < len(self.labels) else None
-
     def _not_ready_reason(self) -> str | None:
         if self.state.draining:
             return "draining"
@@ -173,10 +163,3 @@ class Routes:
     async def metrics(self, request: Request) -> Response:
         body = await run_in_threadpool(metrics.exposition, self.server.pod_collector)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-def _read_labels(path: str | None) -> list[str]:
-    if not path:
-        return []
-    with open(path, encoding="utf-8") as labels:
-        return [line.strip() for line in labels if line.strip()]

@@ -12,7 +12,7 @@ import litserve as ls
 import torch
 from starlette.routing import Route
 
-from service import __version__, metrics
+from service import __version__, metrics, tasks
 from service.admission import AdmissionMiddleware, queue_bound
 from service.api import ImageAPI
 from service.batching import AUTO_BATCH_CAP
@@ -131,6 +131,7 @@ class ImageServer(ls.LitServer):
             "request_timeout_s": self.settings.request_timeout_s,
             "max_body_bytes": self.settings.max_body_bytes,
             "max_image_pixels": self.settings.max_image_pixels,
+            "task": self.state.task,  # issue 15: the output kind the workers decided at warm-up
             "version": __version__,
         }
 
@@ -140,6 +141,7 @@ def serve(settings: Settings) -> int:
     settings.configure_logging()
     try:
         check_model_source(settings.model, settings.model_factory)
+        tasks.read_labels(settings.labels)
     except ModelLoadError as exc:
         log.error("imgserve: %s", exc)
         return 2
@@ -154,7 +156,10 @@ def serve(settings: Settings) -> int:
             generate_client_file=False,
             access_log=settings.access_log,
         )
-    except RuntimeError as exc:  # a worker's setup failed: its log above says why
-        log.error("imgserve: the model failed to load or warm up (%s)", exc)
+    except RuntimeError as exc:  # a worker's setup failed: it left its reason in the shared state
+        for worker in server.inference_workers:  # the others would log their own failure after ours
+            worker.terminate()
+            worker.join(timeout=5)
+        log.error("imgserve: %s", server.state.setup_failure or f"the model failed to load or warm up ({exc})")
         return 2
     return server.state.exit_code

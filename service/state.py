@@ -5,6 +5,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
+from service.tasks import KINDS
+
+SETUP_FAILURE_BYTES = 2048
 # spawn-context primitives can be handed to spawned workers and inherited by forked front ends alike.
 _ctx = mp.get_context("spawn")
 
@@ -21,6 +24,8 @@ class SharedState:
         self._alive = _ctx.Array("b", [1] * workers)
         self._lost_at = _ctx.Array("d", [0.0] * workers)
         self._taken = _ctx.Array("q", request_slots, lock=False)  # one writer per slot at a time: no lock needed
+        self._task = _ctx.Value("b", -1)  # index in tasks.KINDS of the output kind the workers decided
+        self._setup_failure = _ctx.Array("c", SETUP_FAILURE_BYTES)
 
     # Admission: requests admitted and not yet answered.
     def try_admit(self, limit: int) -> bool:
@@ -55,6 +60,22 @@ class SharedState:
     # What the workers decided at warm-up.
     def set_limits(self, batch_size: int, pixel_budget: int) -> None:
         self._batch_size.value, self._pixel_budget.value = batch_size, pixel_budget
+
+    def set_task(self, kind: str) -> None:
+        self._task.value = KINDS.index(kind)
+
+    @property
+    def task(self) -> str | None:
+        """The output kind (tasks.KINDS) the workers decided at warm-up; None before the first is warm."""
+        return KINDS[self._task.value] if self._task.value >= 0 else None
+
+    def fail_setup(self, reason: str) -> None:
+        """A worker could not load or warm up the model: the one-line reason `imgserve serve` ends with."""
+        self._setup_failure.value = reason.encode()[: SETUP_FAILURE_BYTES - 1]
+
+    @property
+    def setup_failure(self) -> str:
+        return self._setup_failure.value.decode(errors="replace")
 
     @property
     def limits(self) -> dict[str, int | None]:
