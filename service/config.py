@@ -179,7 +179,9 @@ class Settings(BaseSettings):
             if name not in self.model_fields_set:
                 setattr(self, name, value)
         if self.resize_size and self.input_size and self.resize_size < self.input_size:
-            raise ValueError(f"resize_size {self.resize_size} is smaller than the input_size {self.input_size} crop")
+            raise ValueError(
+                f"--resize-size {self.resize_size} is smaller than the --input-size {self.input_size} crop"
+            )
         return self
 
     @field_validator("max_batch_size", "workers_per_device", mode="before")
