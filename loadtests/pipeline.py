@@ -28,7 +28,7 @@ def load_denoiser(device: str) -> torch.nn.Module:
 
 def decode(data: bytes) -> torch.Tensor:
     """Upload bytes -> 3xHxW float tensor, with imgserve's strict decoder and limits."""
-    return codec.to_tensor(codec.decode_image(data, DEFAULTS.max_image_pixels))
+    return codec.to_tensor(codec.decode_image(data, DEFAULTS.max_image_pixels).pixels)
 
 
 def forward(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
