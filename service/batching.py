@@ -148,7 +148,7 @@ class BatchRunner:
             [F.pad(im[None], (0, width - im.shape[-1], 0, height - im.shape[-2]), mode="replicate")[0] for im in images]
         )
         output = self.forward(batch)
-        return tasks.split(output, [tuple(im.shape[-2:]) for im in images], (height, width))
+        return tasks.split(output, [tuple(im.shape[-2:]) for im in images], (height, width))  # issue 15: any kind
 
     def forward(self, batch: torch.Tensor) -> Any:
         """One model call under inference mode, with autocast for fp16/bf16; the output is on the CPU."""
@@ -157,12 +157,12 @@ class BatchRunner:
             if self.precision in DTYPES
             else contextlib.nullcontext()
         )
-        batch = preprocess.normalize(batch.to(self.device, non_blocking=True), self.mean, self.std)
+        batch = preprocess.normalize(batch.to(self.device, non_blocking=True), self.mean, self.std)  # issue 15
         if self.channels_last:
             batch = batch.contiguous(memory_format=torch.channels_last)
         with torch.inference_mode(), autocast:
             output = self.model(batch)
-        return tasks.to_cpu(output)
+        return tasks.to_cpu(output)  # issue 15: tensors, dicts ({"out"}) and lists of dicts (detections)
 
     def measure(self, memory_fraction: float) -> MemoryPlan:
         """Warm up on a probe image and measure peak memory per pixel (CUDA allocator, or peak RSS on CPU)."""

@@ -20,7 +20,7 @@ def test_imagenet_preset_is_resize_256_crop_224_normalize(width: int, height: in
     tensor = normalize(to_tensor(prepared.pixels)[None], settings.mean, settings.std)[0]
     expected = torchvision_by_hand(data, 256, 224, Image.Resampling.BILINEAR)
     assert tensor.shape == (3, 224, 224)
-    torch.testing.assert_close(tensor, torch.from_numpy(expected), atol=1e-6, rtol=0)
+    assert torch.equal(tensor, torch.from_numpy(expected))  # bit for bit
 
 
 def test_explicit_settings_override_the_preset_and_parse_as_flags_do(monkeypatch: pytest.MonkeyPatch) -> None:
