@@ -6,6 +6,7 @@ Import it only after `PROMETHEUS_MULTIPROC_DIR` is set (the `imgserve serve` com
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import litserve as ls
@@ -29,7 +30,8 @@ MAX_WORKER_RESTARTS = 3
 def resolve_device(device: str) -> str:
     """auto -> cuda when torch sees a GPU, else cpu."""
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("imgserve: --device cuda was asked for but torch sees no GPU")
+        print("imgserve: --device cuda was asked for but torch sees no GPU", file=sys.stderr)
+        raise SystemExit(2)
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device

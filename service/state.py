@@ -5,8 +5,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
-from service.tasks import KINDS
-
 SETUP_FAILURE_BYTES = 2048
 # spawn-context primitives can be handed to spawned workers and inherited by forked front ends alike.
 _ctx = mp.get_context("spawn")
@@ -24,7 +22,7 @@ class SharedState:
         self._alive = _ctx.Array("b", [1] * workers)
         self._lost_at = _ctx.Array("d", [0.0] * workers)
         self._taken = _ctx.Array("q", request_slots, lock=False)  # one writer per slot at a time: no lock needed
-        self._task = _ctx.Value("b", -1)  # index in tasks.KINDS of the output kind the workers decided
+        self._task = _ctx.Array("c", 16)  # the output kind the workers decided (tasks.KINDS)
         self._setup_failure = _ctx.Array("c", SETUP_FAILURE_BYTES)
 
     # Admission: requests admitted and not yet answered.
@@ -62,12 +60,12 @@ class SharedState:
         self._batch_size.value, self._pixel_budget.value = batch_size, pixel_budget
 
     def set_task(self, kind: str) -> None:
-        self._task.value = KINDS.index(kind)
+        self._task.value = kind.encode()
 
     @property
     def task(self) -> str | None:
         """The output kind (tasks.KINDS) the workers decided at warm-up; None before the first is warm."""
-        return KINDS[self._task.value] if self._task.value >= 0 else None
+        return self._task.value.decode() or None
 
     def fail_setup(self, reason: str) -> None:
         """A worker could not load or warm up the model: the one-line reason `imgserve serve` ends with."""
