@@ -48,7 +48,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="IMGSERVE_", extra="ignore", protected_namespaces=())
 
     # Where it listens.
-    host: str = Field("0.0.0.0", description="Address to bind (0.0.0.0, 127.0.0.1 or ::).")
+    host: Literal["0.0.0.0", "127.0.0.1", "::"] = Field(
+        "0.0.0.0", description="Address to bind (LitServe takes these three)."
+    )
     port: int = Field(8000, ge=1024, le=65535, description="TCP port.")
     api_servers: int = Field(1, ge=1, description="HTTP front-end processes (they share the port).")
 

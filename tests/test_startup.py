@@ -41,6 +41,7 @@ def imgserve(*flags: str, cwd: Path | None = None) -> subprocess.CompletedProces
     ("flags", "message"),
     [
         (["--device", "tpu"], "imgserve: invalid settings: --device: Input should be 'auto', 'cpu' or 'cuda'"),
+        (["--host", "localhost"], "imgserve: invalid settings: --host: Input should be '0.0.0.0', '127.0.0.1' or '::'"),
         (["--precision", "fp8"], "imgserve: invalid settings: --precision: Input should be 'fp32', 'fp16' or 'bf16'"),
         (["--mean", "0.5,0.5"], "imgserve: invalid settings: --mean: expects three comma-separated numbers R,G,B"),
         (
