@@ -22,7 +22,7 @@ class SharedState:
         self._alive = _ctx.Array("b", [1] * workers)
         self._lost_at = _ctx.Array("d", [0.0] * workers)
         self._taken = _ctx.Array("q", request_slots, lock=False)  # one writer per slot at a time: no lock needed
-        self._task = _ctx.Array("c", 16)  # the output kind the workers decided (tasks.KINDS)
+        self._task = _ctx.Array("c", 16)  # the output kind the workers decided (service/tasks.py)
         self._setup_failure = _ctx.Array("c", SETUP_FAILURE_BYTES)
 
     # Admission: requests admitted and not yet answered.
@@ -64,7 +64,7 @@ class SharedState:
 
     @property
     def task(self) -> str | None:
-        """The output kind (tasks.KINDS) the workers decided at warm-up; None before the first is warm."""
+        """image, classify, segment or detect, as the workers decided at warm-up; None before the first is warm."""
         return self._task.value.decode() or None
 
     def fail_setup(self, reason: str) -> None:

@@ -20,7 +20,6 @@ from service.errors import ApiError
 from service.models.loader import ModelLoadError
 from service.preprocess import Geometry
 
-KINDS = ("image", "classify", "segment", "detect")
 IMAGE_CHANNELS = (1, 3, 4)
 DETECTION_KEYS = ("boxes", "labels", "scores")
 MAX_SEGMENT_CLASSES = 255  # class indices fit a PNG palette image; 255 marks pixels the model did not see
@@ -28,7 +27,7 @@ UNSEEN = 255
 EXPECTED = {
     "image": "an N x C x H x W tensor with C = 1, 3 or 4",
     "classify": "an N x K tensor of class scores",
-    "segment": f"N x K x H x W logits (K <= {MAX_SEGMENT_CLASSES}), or a dict with them under 'out'",
+    "segment": f"N x K x H x W logits (2 <= K <= {MAX_SEGMENT_CLASSES}), or a dict with them under 'out'",
     "detect": "a list of N dicts with 'boxes', 'labels' and 'scores'",
 }
 
@@ -69,7 +68,7 @@ def _fits(kind: str, output: Any) -> bool:
         return output.ndim == 2
     if kind == "image":
         return output.ndim == 4 and output.shape[1] in IMAGE_CHANNELS
-    return output.ndim == 4 and 1 <= output.shape[1] <= MAX_SEGMENT_CLASSES
+    return output.ndim == 4 and 2 <= output.shape[1] <= MAX_SEGMENT_CLASSES  # argmax over K classes
 
 
 def decide(output: Any, task: str) -> str:
@@ -120,11 +119,12 @@ def check_labels(labels: list[str], classes: int | None, path: str | None) -> No
 
 # Worker side: the output for one image -> a small result.
 def to_cpu(output: Any) -> Any:
-    """The model's output on the CPU, floating point tensors as float32 (autocast gives fp16/bf16)."""
+    """The parts of the model's output that are answered, on the CPU, floating point as float32 (not autocast's)."""
     if isinstance(output, torch.Tensor):
         return (output.float() if output.is_floating_point() else output).cpu()
     if isinstance(output, dict):
-        return {key: to_cpu(value) for key, value in output.items()}
+        kept = {"out": output["out"]} if "out" in output else output  # a segmenter's "aux" head is not answered
+        return {key: to_cpu(value) for key, value in kept.items()}
     if isinstance(output, list | tuple):
         return [to_cpu(value) for value in output]
     return output
