@@ -29,13 +29,13 @@ def load_denoiser(device: str) -> torch.nn.Module:
 
 def decode(data: bytes) -> torch.Tensor:
     """Upload bytes -> 3xHxW float tensor in [0, 1] (the usual hand-written endpoint), with imgserve's decoder."""
-    pixels = codec.decode_image(data, DEFAULTS.max_image_pixels)
+    pixels = codec.decode_image(data, DEFAULTS.max_image_pixels).pixels
     return torch.from_numpy(pixels).permute(2, 0, 1).float().div_(255.0)
 
 
 def decode_pixels(data: bytes) -> InMemory:
     """Upload bytes -> HxWx3 uint8 pixels ready for imgserve's batcher."""
-    return InMemory(codec.decode_image(data, DEFAULTS.max_image_pixels))
+    return InMemory(codec.decode_image(data, DEFAULTS.max_image_pixels).pixels)
 
 
 def forward(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:

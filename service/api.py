@@ -6,8 +6,10 @@ slot straight into the batch, and an image result is written back into the same 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,12 +17,12 @@ import litserve as ls
 import numpy as np
 import torch
 
-from service import metrics, worker_memory
+from service import metrics, tasks, worker_memory
 from service.batching import BatchRunner, Result
 from service.config import Settings
 from service.errors import ApiError
 from service.gather import GatheringLoop
-from service.models.loader import load_model
+from service.models.loader import ModelLoadError, load_model
 from service.pixel_slots import InSlot, SlotFiles
 from service.state import SharedState
 
@@ -58,15 +60,21 @@ class ImageAPI(ls.LitAPI):
         torch_device = torch.device(device)
         torch.set_num_threads(self.torch_threads)  # the worker's share of the cores: no oversubscription
         worker_memory.hold_freed_memory()
-        model = load_model(settings.model, settings.model_factory, settings.trust_pickle)
-        if isinstance(model, torch.nn.Module):
-            model = model.to(torch_device)  # the loader already set eval mode (torch.export programs refuse eval())
+        with self._reported("cannot load the model"):
+            model = load_model(settings.model, settings.model_factory, settings.trust_pickle)
+            if isinstance(model, torch.nn.Module):
+                model = model.to(torch_device)  # the loader already set eval mode (torch.export refuses eval())
         self.runner = BatchRunner.for_settings(model, torch_device, settings, on_oom=metrics.OOM_SPLITS.inc)
-        try:
+        with self._reported(
+            f"the model failed warm-up on {device} with a {self.runner.probe_side}x{self.runner.probe_side} image"
+        ):
             memory = self.runner.measure(settings.gpu_memory_fraction)
-        except Exception as exc:
-            log.error("imgserve: model failed warm-up on %s: %s", device, exc)
-            raise
+            # The output kind, decided from the warm-up output; the labels must name every class.
+            self.runner.kind = tasks.decide(self.runner.warmup_output, settings.task)
+            classes = tasks.class_count(self.runner.kind, self.runner.warmup_output)
+            tasks.check_labels(tasks.read_labels(settings.labels), classes, settings.labels)
+        self.runner.warmup_output = None
+        self.state.set_task(self.runner.kind)
         if settings.max_batch_size == "auto":
             self.max_batch_size = memory.batch_size_at(settings.max_image_pixels)
         self.state.set_limits(self.max_batch_size, memory.pixel_budget)
@@ -78,6 +86,16 @@ class ImageAPI(ls.LitAPI):
             memory.pixel_budget,
             self.max_batch_size,
         )
+
+    @contextlib.contextmanager
+    def _reported(self, failure: str) -> Iterator[None]:
+        """A failure inside the block becomes the one-line reason `imgserve serve` ends with, then re-raises."""
+        try:
+            yield
+        except Exception as exc:
+            reason = str(exc) if isinstance(exc, ModelLoadError) else f"{failure}: {type(exc).__name__}: {exc}"
+            self.state.fail_setup(" ".join(reason.split()))
+            raise
 
     def decode_request(self, request: dict[str, Any]) -> dict[str, Any]:
         """Nothing to decode: the front end decoded the upload into the slot."""

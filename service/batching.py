@@ -12,17 +12,18 @@ import logging
 import resource
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from service import preprocess, tasks
 from service.config import Settings
 from service.errors import ApiError
 
 log = logging.getLogger(__name__)
 
-PROBE_SIDE = 256
+PROBE_SIDE = 256  # the warm-up image's side when the model has no fixed --input-size
 AUTO_BATCH_CAP = 256
 MAX_PAD_WASTE = 2.0  # a padded chunk may hold at most twice the real pixels
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -89,7 +90,10 @@ Result = np.ndarray | ApiError
 
 
 class BatchRunner:
-    """Runs a model over images of any sizes; one result per image: uint8 HxWxC pixels, float32 scores or ApiError."""
+    """Runs a model over images of any sizes; one result per image (see service/tasks.py) or an ApiError.
+
+    mean/std normalize each batch on the device; probe_side is the warm-up image's size (the model's input size).
+    """
 
     def __init__(
         self,
@@ -99,9 +103,15 @@ class BatchRunner:
         precision: str = "fp32",
         pad: bool = False,
         channels_last: bool = False,
+        mean: tuple[float, ...] | None = None,
+        std: tuple[float, ...] | None = None,
+        probe_side: int = PROBE_SIDE,
         on_oom: Callable[[], None] = lambda: None,
     ) -> None:
         self.model, self.device, self.precision, self.on_oom = model, device, precision, on_oom
+        self.mean, self.std, self.probe_side = mean, std, probe_side
+        self.warmup_output = None  # the model's answer to the probe: tasks.decide reads the output kind from it
+        self.kind: str | None = None  # what the output is (tasks.decide); unset, each batch's output says
         self.max_waste = MAX_PAD_WASTE if pad else 1.0
         self.memory = MemoryPlan(bytes_per_pixel=1.0, budget_bytes=2**62)
         self._buffers: dict[str, torch.Tensor] = {}  # the input buffers, reused from batch to batch
@@ -118,6 +128,9 @@ class BatchRunner:
             precision=settings.precision,
             pad=settings.pads_on(device.type),
             channels_last=settings.channels_last,
+            mean=settings.mean,
+            std=settings.std,
+            probe_side=settings.input_size or PROBE_SIDE,
             on_oom=on_oom,
         )
 
@@ -160,15 +173,8 @@ class BatchRunner:
         height = max(image.shape[0] for image in images)
         width = max(image.shape[1] for image in images)
         output = self.forward(self._host_batch(images, height, width))
-        if output.ndim == 4:
-            pixels = to_pixels(output)
-            scale_h, scale_w = pixels.shape[1] / height, pixels.shape[2] / width
-            return [
-                pixels[i, : round(im.shape[0] * scale_h), : round(im.shape[1] * scale_w)] for i, im in enumerate(images)
-            ]
-        if output.ndim == 2:
-            return list(output.float().cpu().numpy())
-        raise ApiError(500, "bad_model_output", f"model output of shape {tuple(output.shape)} is not NxCxHxW or NxK")
+        kind = self.kind or tasks.decide(output, "auto")
+        return tasks.per_image(kind, output, [tuple(image.shape[:2]) for image in images], (height, width))
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A tensor reused from batch to batch: on a CPU, a fresh 100 MB tensor costs more in page faults than the
@@ -196,8 +202,9 @@ class BatchRunner:
             row[:, w:] = row[:, w - 1 : w]
         return batch
 
-    def forward(self, batch: torch.Tensor) -> torch.Tensor:
-        """One model call on a uint8 NxHxWx3 host batch, under inference mode (and autocast for fp16/bf16)."""
+    def forward(self, batch: torch.Tensor) -> Any:
+        """One model call on a uint8 NxHxWx3 host batch, under inference mode (and autocast for fp16/bf16); the
+        output stays where the model left it (tasks.per_image brings back only what is answered)."""
         autocast = (
             torch.autocast(self.device.type, dtype=DTYPES[self.precision])
             if self.precision in DTYPES
@@ -207,7 +214,8 @@ class BatchRunner:
             staged = batch.to(self.device, non_blocking=True)
             # One pass: uint8 -> float in [0, 1], into NHWC memory that the model sees as NCHW (channels_last).
             inputs = self._buffer("input", staged.shape, torch.float32, self.device)
-            inputs = inputs.copy_(staged).mul_(1 / 255).permute(0, 3, 1, 2)
+            inputs = inputs.copy_(staged).div_(255).permute(0, 3, 1, 2)
+            preprocess.normalize_(inputs, self.mean, self.std)
             if not self.channels_last:
                 inputs = inputs.contiguous()
             with autocast:
@@ -215,49 +223,36 @@ class BatchRunner:
 
     def measure(self, memory_fraction: float) -> MemoryPlan:
         """Warm up on a probe image and measure peak memory per pixel (CUDA allocator, or peak RSS on CPU)."""
-        probe = torch.randint(0, 256, (1, PROBE_SIDE, PROBE_SIDE, 3), dtype=torch.uint8)
+        probe = torch.randint(0, 256, (1, self.probe_side, self.probe_side, 3), dtype=torch.uint8)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             base = torch.cuda.memory_allocated(self.device)
-            self._first_forward(probe)
+            self.warmup_output = self._first_forward(probe)
             torch.cuda.synchronize(self.device)  # the probe's copy from the reused pinned buffer is done
             peak = torch.cuda.max_memory_allocated(self.device) - base
             free, _ = torch.cuda.mem_get_info(self.device)
         else:
             base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-            self._first_forward(probe)
+            self.warmup_output = self._first_forward(probe)
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
             free = _available_ram()
         # Activations cannot be smaller than the input and output themselves.
         floor = 2 * probe.numel() * 4  # as float32
-        self.memory = MemoryPlan(max(peak, floor) / PROBE_SIDE**2, int(memory_fraction * free))
+        self.memory = MemoryPlan(max(peak, floor) / self.probe_side**2, int(memory_fraction * free))
         return self.memory
 
-    def _first_forward(self, probe: torch.Tensor) -> None:
+    def _first_forward(self, probe: torch.Tensor) -> Any:
         """The warm-up call; a model that refuses channels_last input (e.g. it .view()s it) falls back to NCHW."""
         if not self.channels_last:
-            self.forward(probe)
-            return
+            return self.forward(probe)
         try:
-            self.forward(probe)
+            return self.forward(probe)
         except Exception as exc:
             self._use_layout(False)
-            self.forward(probe)  # a model that fails in NCHW too raises here, with its own error
+            output = self.forward(probe)  # a model that fails in NCHW too raises here, with its own error
             log.warning("the model fails on channels_last input (%s): running it in NCHW", exc)
-
-
-def to_pixels(output: torch.Tensor) -> np.ndarray:
-    """A model's NxCxHxW output in [0, 1] -> uint8 NxHxWxC on the host, quantised on the device.
-
-    The output is scaled in place (it is the batch's own; a broadcast view is copied first), then cast and laid out
-    as NHWC in one copy.
-    """
-    with torch.inference_mode():
-        output = output.detach()
-        dense = output.is_contiguous() or output.is_contiguous(memory_format=torch.channels_last)
-        scaled = (output if dense else output.clone()).clamp_(0, 1).mul_(255).round_().permute(0, 2, 3, 1)
-        return scaled.to(torch.uint8, memory_format=torch.contiguous_format).cpu().numpy()
+            return output
 
 
 def _available_ram() -> int:

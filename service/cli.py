@@ -8,13 +8,35 @@ import shutil
 import sys
 import tempfile
 
+from pydantic import ValidationError
+from pydantic_settings import SettingsError
+
 from service.config import Settings
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    """One --flag per setting; unset flags fall back to IMGSERVE_<NAME> and then the default."""
+    """One --flag per setting (--x/--no-x for booleans); unset ones fall back to IMGSERVE_<NAME>, then the default."""
     for name, field in Settings.model_fields.items():
-        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=field.description)
+        flag = f"--{name.replace('_', '-')}"
+        if field.annotation is bool:
+            parser.add_argument(
+                flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=field.description
+            )
+        else:
+            parser.add_argument(flag, dest=name, default=None, help=field.description)
+
+
+def settings_problem(error: ValidationError | SettingsError) -> str:
+    """One line naming each invalid setting (as its --flag) and what is wrong with it."""
+    if isinstance(error, SettingsError):
+        return str(error)
+    problems = []
+    for item in error.errors():
+        name = str(item["loc"][0]).replace("_", "-") if item["loc"] else ""
+        message = item["msg"].removeprefix("Value error, ")
+        given = f" (got {item['input']!r})" if name and not isinstance(item["input"], dict) else ""
+        problems.append(f"--{name}: {message}{given}" if name else message)
+    return "invalid settings: " + "; ".join(problems)
 
 
 def _fresh_metrics_dir() -> None:
@@ -28,11 +50,16 @@ def _fresh_metrics_dir() -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    overrides = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
+    try:
+        settings = Settings(**overrides)
+    except (ValidationError, SettingsError) as error:
+        print(f"imgserve: {settings_problem(error)}", file=sys.stderr)
+        return 2
     _fresh_metrics_dir()
     from service.server import serve
 
-    overrides = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
-    return serve(Settings(**overrides))
+    return serve(settings)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from service.errors import ApiError
+from service.preprocess import Prepared, Preprocess
 
 # We check the pixel count ourselves (413), before Pillow decodes anything.
 Image.MAX_IMAGE_PIXELS = None
@@ -18,8 +19,9 @@ MAX_JPEG_SCANS = 100
 OUTPUT_TYPES = {"jpeg": "image/jpeg", "png": "image/png", "webp": "image/webp"}
 
 
-def decode_image(data: bytes, max_pixels: int, size: int | None = None) -> np.ndarray:
-    """Untrusted image bytes -> uint8 HxWx3 RGB array, upright, first frame, alpha over white, 16-bit scaled.
+def decode_image(data: bytes, max_pixels: int, preprocess: Preprocess | None = None) -> Prepared:
+    """Untrusted image bytes -> uint8 HxWx3 RGB array, upright, first frame, alpha over white, 16-bit scaled,
+    resized/cropped for the model, with the geometry that maps the model's answer back to the upload.
 
     Whatever the bytes, the answer is pixels or an ApiError (400, 413, 415): Pillow's plugins raise nearly every
     exception type on crafted input, so any of them means a corrupt image. Only the first frame is decoded, and
@@ -46,9 +48,7 @@ def decode_image(data: bytes, max_pixels: int, size: int | None = None) -> np.nd
         rgb = _to_rgb(image)
     except Exception as exc:
         raise _corrupt(exc) from None
-    if size is not None:
-        rgb = rgb.resize((size, size), Image.Resampling.BILINEAR)
-    return np.array(rgb, dtype=np.uint8)
+    return (preprocess or Preprocess())(rgb)  # resize/crop as torchvision's weight transforms
 
 
 def _corrupt(exc: Exception) -> ApiError:
@@ -63,15 +63,25 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         scale = 255.0 / 65535.0 if wide.max(initial=0) > 255 else 1.0
         image = Image.fromarray(np.clip(wide * scale, 0, 255).astype(np.uint8), mode="L")
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(background, rgba).convert("RGB")
+        return _over_white(image.convert("RGBA"))
     return image.convert("RGB")
 
 
+def _over_white(rgba: Image.Image) -> Image.Image:
+    background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(background, rgba).convert("RGB")
+
+
 def encode_image(pixels: np.ndarray, fmt: str, quality: int) -> bytes:
-    """uint8 HxWxC -> JPEG/PNG/WebP bytes."""
+    """uint8 HxWxC -> JPEG/PNG/WebP bytes; RGBA keeps its alpha in PNG/WebP, JPEG gets it composited over white."""
     image = Image.fromarray(pixels[..., 0] if pixels.shape[-1] == 1 else pixels)
+    if image.mode == "RGBA" and fmt == "jpeg":
+        image = _over_white(image)
+    return save(image, fmt, quality)
+
+
+def save(image: Image.Image, fmt: str, quality: int = 90) -> bytes:
+    """A Pillow image -> JPEG/PNG/WebP bytes (PNG at fast compression)."""
     buffer = io.BytesIO()
     options = {"quality": quality} if fmt in ("jpeg", "webp") else {"compress_level": 1}
     image.save(buffer, format=fmt.upper(), **options)

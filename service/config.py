@@ -6,15 +6,26 @@ import contextlib
 import logging
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, ValidationInfo, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 BUILTIN_MODEL = "builtin:denoiser"
 MAX_CPU_WORKERS = 4
 MAX_FRONT_ENDS = 4
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+# torchvision's ImageNet weight transforms (ImageClassification preset): what --preprocess imagenet sets.
+PRESETS: dict[str, dict[str, object]] = {
+    "imagenet": {
+        "resize_size": 256,
+        "input_size": 224,
+        "interpolation": "bilinear",
+        "mean": (0.485, 0.456, 0.406),
+        "std": (0.229, 0.224, 0.225),
+    },
+}
+Channels = Annotated[tuple[float, float, float], NoDecode]  # "R,G,B" from a flag or an environment variable
 
 
 def usable_cpus() -> int:
@@ -27,13 +38,20 @@ def usable_cpus() -> int:
     return cpus
 
 
+def _without_traceback(record: logging.LogRecord) -> bool:
+    record.exc_info = record.exc_text = None
+    return True
+
+
 class Settings(BaseSettings):
     """What the server serves, on what device, and the limits that keep it alive under load."""
 
     model_config = SettingsConfigDict(env_prefix="IMGSERVE_", extra="ignore", protected_namespaces=())
 
     # Where it listens.
-    host: str = Field("0.0.0.0", description="Address to bind (0.0.0.0, 127.0.0.1 or ::).")
+    host: Literal["0.0.0.0", "127.0.0.1", "::"] = Field(
+        "0.0.0.0", description="Address to bind (LitServe takes these three)."
+    )
     port: int = Field(8000, ge=1024, le=65535, description="TCP port.")
     api_servers: int | Literal["auto"] = Field(
         "auto",
@@ -51,7 +69,30 @@ class Settings(BaseSettings):
     )
     labels: str | None = Field(None, description="Text file with one class label per line (classifiers).")
     input_size: int | None = Field(
-        None, ge=8, description="Resize every image to this square size before the model (fixed-size models)."
+        None,
+        ge=8,
+        description="The model's square input: a centre crop of that size after --resize-size, else every image "
+        "is resized to it (fixed-size models); also the warm-up probe's size (256 when unset).",
+    )
+
+    # Preprocessing (named as torchvision's weight transforms) and what the output is.
+    preprocess: Literal["none", "imagenet"] = Field(
+        "none",
+        description="Preset: imagenet = resize 256, crop 224, bilinear, ImageNet mean/std; explicit settings win.",
+    )
+    resize_size: int | None = Field(
+        None, ge=8, description="Resize the shorter side to this, keeping the aspect ratio (torchvision Resize(N))."
+    )
+    interpolation: Literal["bilinear", "bicubic", "nearest"] = Field(
+        "bilinear", description="Resampling filter of the resize (Pillow's, as torchvision uses on PIL images)."
+    )
+    mean: Channels | None = Field(None, description="R,G,B subtracted from the [0, 1] input (after resizing).")
+    std: Channels | None = Field(None, description="R,G,B the input is divided by after subtracting the mean.")
+    task: Literal["auto", "image", "classify", "segment", "detect"] = Field(
+        "auto", description="What the output is; auto decides from the warm-up output's type and shape."
+    )
+    scores: Literal["logits", "probabilities"] = Field(
+        "logits", description="A classifier's output: logits (softmax is applied) or probabilities (used as is)."
     )
 
     # Where and how it runs.
@@ -137,6 +178,8 @@ class Settings(BaseSettings):
     def configure_logging(self) -> None:
         """The log format and level of every imgserve process (spawned workers start with none)."""
         logging.basicConfig(level=self.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        if self.log_level != "debug":  # a worker's failed setup: one line; `imgserve serve` ends with the reason
+            logging.getLogger("litserve.loops.loops").addFilter(_without_traceback)
 
     def workers_on(self, device_type: str) -> int:
         """Workers per device: one per GPU keeps it busy; on a CPU single-threaded workers beat one wide one."""
@@ -155,6 +198,34 @@ class Settings(BaseSettings):
     def pads_on(self, device_type: str) -> bool:
         """Padding mixed sizes pays on a GPU (a bigger batch is nearly free); on a CPU it only adds pixels."""
         return device_type == "cuda" if self.pad_mixed_sizes == "auto" else self.pad_mixed_sizes
+
+    @field_validator("mean", "std", mode="before")
+    @classmethod
+    def _comma_separated(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = tuple(part.strip() for part in value.split(","))
+        if isinstance(value, tuple | list) and len(value) != 3:
+            raise ValueError("expects three comma-separated numbers R,G,B")
+        return value
+
+    @field_validator("std")
+    @classmethod
+    def _nonzero(cls, value: tuple[float, float, float] | None) -> tuple[float, float, float] | None:
+        if value is not None and 0 in value:
+            raise ValueError("std must not be 0")
+        return value
+
+    @model_validator(mode="after")
+    def _apply_preset(self) -> Settings:
+        """The preset fills in only the settings that were not given explicitly."""
+        for name, value in PRESETS.get(self.preprocess, {}).items():
+            if name not in self.model_fields_set:
+                setattr(self, name, value)
+        if self.resize_size and self.input_size and self.resize_size < self.input_size:
+            raise ValueError(
+                f"--resize-size {self.resize_size} is smaller than the --input-size {self.input_size} crop"
+            )
+        return self
 
     @field_validator("max_batch_size", "workers_per_device", "api_servers", mode="before")
     @classmethod

@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-import numpy as np
 from litserve.utils import WorkerSetupStatus
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from python_multipart.multipart import parse_options_header
@@ -14,10 +13,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from service import codec
+from service import codec, tasks
 from service.config import Settings
 from service.dispatch import Dispatcher, Slot
 from service.errors import ApiError
+from service.preprocess import Geometry, Preprocess
 from service.state import SharedState
 
 INLINE_CODEC_BYTES = 32 * 1024  # uploads up to this size are decoded (and their answers encoded) on the event loop
@@ -29,9 +29,10 @@ class PredictParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    format: Literal["jpeg", "png", "webp"] | None = None
+    format: Literal["jpeg", "png", "webp", "json"] | None = None
     quality: int | None = Field(None, ge=1, le=100)
     top_k: int = Field(5, ge=1, le=1000)
+    score_threshold: float = Field(0.5, ge=0, le=1)
 
 
 def _params(request: Request) -> PredictParams:
@@ -95,7 +96,8 @@ class Routes:
     ) -> None:
         self.settings, self.state, self.dispatcher, self.metrics_body = settings, state, dispatcher, metrics_body
         self.describe, self.setup_status = describe, setup_status
-        self.labels = _read_labels(settings.labels)
+        self.preprocess = Preprocess.from_settings(settings)
+        self.renderer = tasks.Renderer(settings, tasks.read_labels(settings.labels))
 
     async def predict(self, request: Request) -> Response:
         try:
@@ -103,34 +105,24 @@ class Routes:
             data = await _upload(request)
             # A small image costs less to decode and encode than a hop to the thread pool and back.
             inline = len(data) <= INLINE_CODEC_BYTES
+            accept = request.headers.get("accept", "")
             async with self.dispatcher.slot() as slot:
-                shape = await _call(inline, self._decode_into, data, slot)
+                shape, geometry = await _call(inline, self._decode_into, data, slot)
                 answer = await slot.submit(shape, request.scope["state"]["deadline"])
-                return await _call(inline, self._render, slot, answer, params, request.headers.get("accept", ""))
+                return await _call(inline, self._render, slot, answer, geometry, params, accept)
         except ApiError as error:
             return error.response()
 
-    def _decode_into(self, data: bytes, slot: Slot) -> tuple[int, ...]:
-        """Decode and validate the upload, straight into the request's slot; its shape is all that is queued."""
-        pixels = codec.decode_image(data, self.settings.max_image_pixels, self.settings.input_size)
+    def _decode_into(self, data: bytes, slot: Slot) -> tuple[tuple[int, ...], Geometry]:
+        """Decode, validate and preprocess the upload straight into the request's slot; its shape is all that is
+        queued, and its geometry (how the model's input was cut from the upload) stays here for the answer."""
+        pixels, geometry = codec.decode_image(data, self.settings.max_image_pixels, self.preprocess)
         slot.write(pixels)
-        return pixels.shape
+        return pixels.shape, geometry
 
-    def _render(self, slot: Slot, answer: Any, params: PredictParams, accept: str) -> Response:
-        output: np.ndarray = slot.result(answer)
-        if output.dtype == np.uint8:
-            fmt = codec.choose_format(params.format, accept, self.settings.output_format)
-            body = codec.encode_image(output, fmt, params.quality or self.settings.jpeg_quality)
-            return Response(body, media_type=codec.OUTPUT_TYPES[fmt])
-        scores = np.exp(output - output.max())
-        scores /= scores.sum()
-        top = np.argsort(-scores)[: params.top_k]
-        return JSONResponse(
-            {"top_k": [{"index": int(i), "label": self._label(int(i)), "score": float(scores[i])} for i in top]}
-        )
-
-    def _label(self, index: int) -> str | None:
-        return self.labels[index] if index < len(self.labels) else None
+    def _render(self, slot: Slot, answer: Any, geometry: Geometry, params: PredictParams, accept: str) -> Response:
+        """The worker's result (read from the slot when it lies there) -> the HTTP answer for the model's kind."""
+        return self.renderer(self.state.task, slot.result(answer), geometry, params, accept)
 
     def _not_ready_reason(self) -> str | None:
         if self.state.draining:
@@ -157,10 +149,3 @@ class Routes:
     async def metrics(self, request: Request) -> Response:
         body = await run_in_threadpool(self.metrics_body)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
-
-
-def _read_labels(path: str | None) -> list[str]:
-    if not path:
-        return []
-    with open(path, encoding="utf-8") as labels:
-        return [line.strip() for line in labels if line.strip()]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import AsyncIterator
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -19,7 +20,7 @@ from litserve.transport.process_transport import MPQueueTransport
 from litserve.utils import WorkerSetupStatus
 from starlette.routing import Route
 
-from service import __version__, metrics
+from service import __version__, metrics, tasks
 from service.admission import Admission, AdmissionMiddleware, queue_bound
 from service.api import ImageAPI
 from service.auth import ApiKeyMiddleware, read_keys
@@ -41,7 +42,8 @@ MAX_WORKER_RESTARTS = 3
 def resolve_device(device: str) -> str:
     """auto -> cuda when torch sees a GPU, else cpu."""
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("imgserve: --device cuda was asked for but torch sees no GPU")
+        print("imgserve: --device cuda was asked for but torch sees no GPU", file=sys.stderr)
+        raise SystemExit(2)
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
@@ -177,6 +179,7 @@ class ImageServer(ls.LitServer):
             "request_timeout_s": self.settings.request_timeout_s,
             "max_body_bytes": self.settings.max_body_bytes,
             "max_image_pixels": self.settings.max_image_pixels,
+            "task": self.state.task,  # issue 15: the output kind the workers decided at warm-up
             "version": __version__,
         }
 
@@ -186,6 +189,7 @@ def serve(settings: Settings) -> int:
     settings.configure_logging()
     try:
         check_model_source(settings.model, settings.model_factory)
+        tasks.read_labels(settings.labels)
     except ModelLoadError as exc:
         log.error("imgserve: %s", exc)
         return 2
@@ -208,8 +212,11 @@ def serve(settings: Settings) -> int:
             http=GuardedHttpToolsProtocol.configured(settings, server.admission),
             ws="none",
         )
-    except RuntimeError as exc:  # a worker's setup failed: its log above says why
-        log.error("imgserve: the model failed to load or warm up (%s)", exc)
+    except RuntimeError as exc:  # a worker's setup failed: it left its reason in the shared state
+        for worker in server.inference_workers:  # the others would log their own failure after ours
+            worker.terminate()
+            worker.join(timeout=5)
+        log.error("imgserve: %s", server.state.setup_failure or f"the model failed to load or warm up ({exc})")
         return 2
     finally:
         remove_directory(slot_directory)

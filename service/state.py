@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
+SETUP_FAILURE_BYTES = 2048
 # spawn-context primitives can be handed to spawned workers and inherited by forked front ends alike.
 _ctx = mp.get_context("spawn")
 
@@ -24,6 +25,8 @@ class SharedState:
         self._owner = _ctx.Array("q", request_slots, lock=False)
         self._taken = _ctx.Array("q", request_slots, lock=False)
         self._take_lock = _ctx.Lock()
+        self._task = _ctx.Array("c", 16)  # the output kind the workers decided (service/tasks.py)
+        self._setup_failure = _ctx.Array("c", SETUP_FAILURE_BYTES)
 
     # Admission: requests admitted and not yet answered.
     def try_admit(self, limit: int) -> bool:
@@ -58,6 +61,22 @@ class SharedState:
     # What the workers decided at warm-up.
     def set_limits(self, batch_size: int, pixel_budget: int) -> None:
         self._batch_size.value, self._pixel_budget.value = batch_size, pixel_budget
+
+    def set_task(self, kind: str) -> None:
+        self._task.value = kind.encode()
+
+    @property
+    def task(self) -> str | None:
+        """image, classify, segment or detect, as the workers decided at warm-up; None before the first is warm."""
+        return self._task.value.decode() or None
+
+    def fail_setup(self, reason: str) -> None:
+        """A worker could not load or warm up the model: the one-line reason `imgserve serve` ends with."""
+        self._setup_failure.value = reason.encode()[: SETUP_FAILURE_BYTES - 1]
+
+    @property
+    def setup_failure(self) -> str:
+        return self._setup_failure.value.decode(errors="replace")
 
     @property
     def limits(self) -> dict[str, int | None]:

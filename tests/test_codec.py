@@ -10,6 +10,7 @@ from PIL import Image
 
 from service.codec import choose_format, decode_image, encode_image
 from service.errors import ApiError
+from service.preprocess import Preprocess
 
 LIMIT = 10_000_000
 
@@ -24,30 +25,30 @@ def test_exif_orientation_is_applied() -> None:
     image = Image.new("RGB", (40, 20), "red")
     exif = Image.Exif()
     exif[0x0112] = 6  # rotate 90 degrees clockwise to display
-    assert decode_image(encode(image, "JPEG", exif=exif), LIMIT).shape == (40, 20, 3)
+    assert decode_image(encode(image, "JPEG", exif=exif), LIMIT).pixels.shape == (40, 20, 3)
 
 
 def test_alpha_is_composited_over_white() -> None:
     transparent = Image.new("RGBA", (8, 8), (255, 0, 0, 0))
-    assert (decode_image(encode(transparent, "PNG"), LIMIT) == 255).all()
+    assert (decode_image(encode(transparent, "PNG"), LIMIT).pixels == 255).all()
 
 
 @pytest.mark.parametrize(("mode", "fmt"), [("L", "PNG"), ("CMYK", "JPEG"), ("P", "GIF"), ("LA", "PNG")])
 def test_other_modes_become_rgb(mode: str, fmt: str) -> None:
-    pixels = decode_image(encode(Image.new("RGB", (10, 6), (10, 200, 30)).convert(mode), fmt), LIMIT)
+    pixels = decode_image(encode(Image.new("RGB", (10, 6), (10, 200, 30)).convert(mode), fmt), LIMIT).pixels
     assert pixels.shape == (6, 10, 3) and pixels.dtype == np.uint8
 
 
 def test_16_bit_is_scaled_not_clipped() -> None:
     wide = Image.fromarray(np.full((4, 4), 65535, dtype=np.uint16))
-    pixels = decode_image(encode(wide, "PNG"), LIMIT)
+    pixels = decode_image(encode(wide, "PNG"), LIMIT).pixels
     assert pixels.min() == 255
 
 
 def test_animated_gives_first_frame() -> None:
     frames = [Image.new("RGB", (8, 8), colour) for colour in ("blue", "yellow")]
     data = encode(frames[0], "GIF", save_all=True, append_images=frames[1:])
-    pixels = decode_image(data, LIMIT)
+    pixels = decode_image(data, LIMIT).pixels
     assert pixels[0, 0, 2] > 200 and pixels[0, 0, 0] < 50
 
 
@@ -58,7 +59,18 @@ def test_pixel_limit_is_checked_before_decoding() -> None:
 
 
 def test_resize_to_input_size() -> None:
-    assert decode_image(encode(Image.new("RGB", (30, 10)), "PNG"), LIMIT, size=16).shape == (16, 16, 3)
+    prepared = decode_image(encode(Image.new("RGB", (30, 10)), "PNG"), LIMIT, Preprocess(input_size=16))
+    assert prepared.pixels.shape == (16, 16, 3)
+    assert prepared.geometry.original == (30, 10)
+
+
+def test_rgba_keeps_alpha_in_png_and_webp_and_is_over_white_in_jpeg() -> None:
+    pixels = np.zeros((4, 6, 4), dtype=np.uint8)  # transparent black
+    for fmt in ("png", "webp"):
+        image = Image.open(io.BytesIO(encode_image(pixels, fmt, 100)))
+        assert image.mode == "RGBA" and np.asarray(image)[..., 3].max() == 0
+    jpeg = Image.open(io.BytesIO(encode_image(pixels, "jpeg", 100)))
+    assert jpeg.mode == "RGB" and np.asarray(jpeg).min() > 250
 
 
 @pytest.mark.parametrize("fmt", ["jpeg", "png", "webp"])

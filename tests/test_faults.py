@@ -207,6 +207,8 @@ def test_unloadable_model_exits_with_a_clear_error(tmp_path, toy_model, settings
     server = start_server(settings, tmp_path)
     try:
         assert server.process.wait(timeout=90) == 2
-        assert message in server.log()
+        lines = server.log().strip().splitlines()
+        assert message in lines[-1] and sum(message in line for line in lines) == 1, lines
+        assert not any("Traceback" in line for line in lines), lines
     finally:
         stop_server(server)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import os
 import pickle
+import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +34,11 @@ def check_model_source(spec: str, factory: str | None) -> None:
         )
     if path.suffix == ".safetensors" and not factory:
         raise ModelLoadError("a .safetensors file holds only weights: set --model-factory module:function")
+    if path.suffix != ".safetensors" and not _torch_can_read(path):
+        raise ModelLoadError(
+            f"{path} is not a model file torch can read (torch.save, torch.jit.save and torch.export.save "
+            "write zip archives; this is neither one nor a pickle)"
+        )
     if factory:
         _import_factory(factory)
 
@@ -71,6 +78,12 @@ def load_model(spec: str, factory: str | None = None, trust_pickle: bool = False
     raise ModelLoadError(f"{path} holds a {type(loaded).__name__}, not a model or a state dict")
 
 
+def _torch_can_read(path: Path) -> bool:
+    """A zip archive (every torch writer since 1.6) or a legacy pickle (protocol 2+ starts with 0x80)."""
+    with path.open("rb") as file:
+        return zipfile.is_zipfile(file) or file.read(1) == b"\x80"
+
+
 def _is_torchscript(path: Path) -> bool:
     if not zipfile.is_zipfile(path):
         return False
@@ -82,6 +95,8 @@ def _import_factory(factory: str) -> Callable[[], torch.nn.Module]:
     module_name, _, attribute = factory.partition(":")
     if not module_name or not attribute:
         raise ModelLoadError(f"model factory must look like module:function, got {factory!r}")
+    if os.getcwd() not in sys.path:  # `nets:build` finds nets.py in the current directory, as `python -m` would
+        sys.path.insert(0, os.getcwd())
     try:
         return getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as exc:

@@ -1,0 +1,53 @@
+"""Preprocessing is exactly torchvision's Resize(N) + CenterCrop(S) + Normalize, written here independently."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+from reference import IMAGENET_MEAN, IMAGENET_STD, photo, to_tensor, torchvision_by_hand
+
+from service.batching import BatchRunner, InMemory
+from service.codec import decode_image
+from service.config import Settings
+from service.preprocess import Geometry, Preprocess
+
+
+@pytest.mark.parametrize(("width", "height"), [(500, 375), (333, 501), (259, 256), (300, 398), (1001, 257), (256, 256)])
+def test_imagenet_preset_is_resize_256_crop_224_normalize(width: int, height: int) -> None:
+    settings = Settings(preprocess="imagenet")
+    data = photo(width, height)
+    prepared = decode_image(data, 10**8, Preprocess.from_settings(settings))
+    seen = []  # what the model is given: the front end's resize + crop, then the worker's batch conversion
+    runner = BatchRunner(
+        lambda x: seen.append(x.clone()) or x, torch.device("cpu"), mean=settings.mean, std=settings.std
+    )
+    runner([InMemory(prepared.pixels)])
+    tensor = seen[0][0]
+    expected = torchvision_by_hand(data, 256, 224, Image.Resampling.BILINEAR)
+    assert tensor.shape == (3, 224, 224)
+    assert torch.equal(tensor, torch.from_numpy(expected))  # bit for bit
+
+
+def test_explicit_settings_override_the_preset_and_parse_as_flags_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("IMGSERVE_STD", "0.5, 0.5,0.5")
+    settings = Settings(preprocess="imagenet", resize_size="232", interpolation="bicubic")
+    assert (settings.resize_size, settings.input_size, settings.interpolation) == (232, 224, "bicubic")
+    assert settings.mean == (0.485, 0.456, 0.406) and settings.std == (0.5, 0.5, 0.5)
+    data = photo(300, 240)
+    prepared = decode_image(data, 10**8, Preprocess.from_settings(settings))
+    by_hand = torchvision_by_hand(data, 232, 224, Image.Resampling.BICUBIC) * IMAGENET_STD[:, None, None]
+    torch.testing.assert_close(to_tensor(prepared.pixels), torch.from_numpy(by_hand + IMAGENET_MEAN[:, None, None]))
+    for bad in ({"mean": "1,2"}, {"std": "1,0,1"}, {"resize_size": 100, "input_size": 224}):
+        with pytest.raises(ValueError):
+            Settings(**bad)
+
+
+def test_geometry_maps_model_input_points_back_to_the_upload() -> None:
+    prepared = decode_image(photo(500, 375), 10**8, Preprocess(resize_size=256, input_size=224))
+    assert prepared.geometry == Geometry(original=(500, 375), resized=(341, 256), crop=(58, 16, 224, 224))
+    assert prepared.geometry.to_original(0, 0) == pytest.approx((58 * 500 / 341, 16 * 375 / 256))
+    squashed = Preprocess(input_size=100)(Image.new("RGB", (400, 50)))
+    assert squashed.geometry.to_original(100, 100) == (400, 50)
+    shorter_side = Preprocess(resize_size=20)(Image.new("RGB", (40, 80)))
+    assert shorter_side.pixels.shape == (40, 20, 3) and shorter_side.geometry.crop == (0, 0, 20, 40)
