@@ -253,11 +253,14 @@ def render(plan: Plan, limits: Limits, cells: list[Cell], info: dict, command: s
         if with_gpu:
             row += f" {(cell.peak_gpu_bytes or 0) / 2**20:.0f} |"
         lines.append(row)
-    errors = sorted({e for c in cells for e in c.result.errors()})
-    lines += ["", "Targets (measured):", *_targets(plan, reference, by_key)]
-    if errors:
-        lines += ["", "Failures seen:", *(f"- `{e}`" for e in errors[:10])]
+    lines += ["", "Targets (measured):", *_targets(plan, reference, by_key), *failures_seen(cells)]
     return "\n".join(lines) + "\n"
+
+
+def failures_seen(cells: list) -> list[str]:
+    """The report's list of the distinct failures any cell saw (none: no lines)."""
+    errors = sorted({e for c in cells for e in c.result.errors()})
+    return ["", "Failures seen:", *(f"- `{e}`" for e in errors[:10])] if errors else []
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,9 +290,13 @@ def main(argv: list[str] | None = None) -> int:
                 info = server_info
     after = measure_limit((limit.best_batch,), plan.limit_seconds)
     command = shlex.join(["python", "-m", "loadtests.bench", *(argv if argv is not None else sys.argv[1:])])
-    report = render(plan, Limits(limit, nchw, after.images_per_s), cells, info, command, machine())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report)
+    return publish(render(plan, Limits(limit, nchw, after.images_per_s), cells, info, command, machine()), args.out)
+
+
+def publish(report: str, out: Path) -> int:
+    """Write the markdown report to `out` and print it; the command's exit status."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(report)
     print(report)
     return 0
 

@@ -31,7 +31,7 @@ import psutil
 import torch
 from PIL import Image
 
-from loadtests.bench import machine
+from loadtests.bench import failures_seen, machine, publish
 from loadtests.closed_loop import LoadResult, run_closed_loop
 from loadtests.images import SampleImage, square_jpegs
 from loadtests.servers import ResourceSampler, RunningServer, free_port, imgserve_command, running_server
@@ -325,10 +325,7 @@ def render(run: OverheadRun, command: str, host: str) -> str:
         )
     lines += ["", "Targets (measured):"]
     lines += [f"- {v.target.describe()}: {v.result()} — **{'met' if v.met else 'missed'}**" for v in run.verdicts()]
-    errors = sorted({e for c in run.cells for e in c.result.errors()})
-    if errors:
-        lines += ["", "Failures seen:", *(f"- `{e}`" for e in errors[:10])]
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, *failures_seen(run.cells)]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -339,11 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="imgserve-overhead-") as logs:
         run = run_overhead(Plan.make(args.quick), Path(logs))
     command = shlex.join(["python", "-m", "loadtests.overhead", *(argv if argv is not None else sys.argv[1:])])
-    report = render(run, command, machine())
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report)
-    print(report)
-    return 0
+    return publish(render(run, command, machine()), args.out)
 
 
 if __name__ == "__main__":
