@@ -1,11 +1,11 @@
 """The front end's side of the hand-off to the inference workers: slots, small messages, answers.
 
-This replaces two pieces of LitServe 0.2.19 (pinned `<0.3`) behind one seam. LitServe puts each request on its
-Manager queue from the event loop (a blocking round trip) and reads each answer with its own
-`asyncio.to_thread(queue.get)`. Here one sender thread and one reader thread per front end talk to the queues, and
-the event loop only hands messages to them. The pixels themselves go through the request's shared-memory slot
-(`pixel_slots`); a slot is reused only once its worker has answered (or died), never while a worker may still
-read or write it, even when the client has long had its 504.
+This replaces LitServe 0.2.19's front-end plumbing (pinned `<0.3`). LitServe puts each request on its Manager queue
+from the event loop (a blocking round trip) and reads each answer with its own `asyncio.to_thread(queue.get)`.
+Here one sender thread puts the requests on that queue and one reader thread receives the answers from this front
+end's datagram socket (`answers`); the event loop only hands messages to them. The pixels themselves go through
+the request's shared-memory slot (`pixel_slots`); a slot is reused only once its worker has answered (or died),
+never while a worker may still read or write it, even when the client has long had its 504.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import numpy as np
 from litserve.utils import LitAPIStatus
 
 from service import metrics
+from service.answers import FrontEndAnswers
 from service.errors import ApiError
 from service.pixel_slots import InSlot, SlotFiles
 from service.state import SharedState
@@ -80,7 +81,7 @@ class Dispatcher:
         self.state, self.directory, self.slots_per_front_end = state, directory, slots_per_front_end
         self.retry_after_s = retry_after_s
 
-    def start(self, front_end: int, request_queue: Any, response_queue: Any) -> None:
+    def start(self, front_end: int, request_queue: Any, answers: FrontEndAnswers) -> None:
         """In the front-end process, on its event loop: claim its slot range and start the two queue threads."""
         self.files = SlotFiles(self.directory)
         first = front_end * self.slots_per_front_end
@@ -92,7 +93,7 @@ class Dispatcher:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop = asyncio.get_running_loop()
         threading.Thread(target=self._send_forever, name="imgserve-sender", daemon=True).start()
-        threading.Thread(target=self._read_forever, args=(response_queue,), name="imgserve-reader", daemon=True).start()
+        threading.Thread(target=self._read_forever, args=(answers,), name="imgserve-reader", daemon=True).start()
         self._sweeper = self._loop.create_task(self._sweep())
 
     @contextlib.asynccontextmanager
@@ -194,13 +195,13 @@ class Dispatcher:
             except (OSError, EOFError):  # the queue process is gone: the server is stopping
                 return
 
-    def _read_forever(self, response_queue: Any) -> None:
+    def _read_forever(self, answers: FrontEndAnswers) -> None:
         while True:
             try:
-                message = response_queue.get()
-            except (OSError, EOFError):
+                message = answers.receive()
+            except OSError:
                 return
-            if message is None:  # LitServe's shutdown sentinel
+            if message is None:  # the shutdown sentinel (AnswerSockets.close)
                 return
             uid, (output, status, *_) = message
             self._loop.call_soon_threadsafe(self._deliver, uid, output, status)

@@ -16,12 +16,12 @@ from typing import Any
 
 import litserve as ls
 import torch
-from litserve.transport.process_transport import MPQueueTransport
 from litserve.utils import WorkerSetupStatus
 from starlette.routing import Route
 
 from service import __version__, metrics, tasks
 from service.admission import Admission, AdmissionMiddleware, queue_bound
+from service.answers import AnswerSockets
 from service.api import ImageAPI
 from service.auth import ApiKeyMiddleware, read_keys
 from service.batching import AUTO_BATCH_CAP
@@ -124,17 +124,16 @@ class ImageServer(ls.LitServer):
         return [d if isinstance(d, str) else d[0] for d in self.devices]
 
     def _init_manager(self, num_api_servers: int) -> Any:
-        """LitServe's Manager, with response queues imgserve keeps hold of (its reader thread reads them)."""
+        """LitServe's Manager (its request queue), with answers sent over imgserve's datagram sockets instead."""
         manager = super()._init_manager(num_api_servers)
-        self.response_queues = [manager.Queue() for _ in range(num_api_servers)]
-        self._transport = MPQueueTransport(manager, self.response_queues)
+        self._transport = AnswerSockets(f"imgserve-{os.getpid()}", num_api_servers)
         return manager
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
         """Each front end's start: its dispatcher threads instead of LitServe's thread hop per answer."""
         front_end = app.response_queue_id
-        self.dispatcher.start(front_end, self.request_queue, self.response_queues[front_end])
+        self.dispatcher.start(front_end, self.request_queue, self._transport.receiver(front_end))
         yield
 
     def restart_worker(self, index: int) -> BaseProcess:

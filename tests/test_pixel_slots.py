@@ -21,6 +21,7 @@ from serving import image_bytes, start_server, stop_server, wait_ready
 from loadtests.closed_loop import run_closed_loop
 from loadtests.images import square_jpegs
 from service import pixel_slots
+from service.answers import AnswerSockets
 from service.api import ImageAPI
 from service.batching import BatchRunner, InMemory
 from service.config import Settings
@@ -109,7 +110,7 @@ def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its
 ) -> None:
     """Plays the worker by hand on real Manager queues."""
     state = SharedState(workers=1, request_slots=4)
-    requests, answers = manager.Queue(), manager.Queue()
+    requests, answers = manager.Queue(), AnswerSockets(f"imgserve-test-{os.getpid()}", 1)
     dispatcher = Dispatcher(state, slot_dir, slots_per_front_end=2, retry_after_s=1)
     image = np.random.default_rng(1).integers(0, 256, (512, 512, 3), dtype=np.uint8)
 
@@ -126,10 +127,10 @@ def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its
         files = SlotFiles(slot_dir)
         pixels = files.read(index, payload["shape"])
         files.write(index, 255 - pixels)
-        answers.put((uid, (InSlot(pixels.shape, "|u1"), LitAPIStatus.OK, None, 0)))
+        answers.send((uid, (InSlot(pixels.shape, "|u1"), LitAPIStatus.OK, None, 0)), 0)
 
     async def scenario() -> None:
-        dispatcher.start(0, requests, answers)
+        dispatcher.start(0, requests, answers.receiver(0))
         task = asyncio.create_task(handler(timeout=30))
         message = await asyncio.to_thread(requests.get, timeout=5)
         assert len(pickle.dumps(message)) < SMALL_MESSAGE, "pixels went through the queue"
@@ -169,18 +170,12 @@ def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its
         for _ in blockers:
             await asyncio.to_thread(work, await asyncio.to_thread(requests.get, timeout=5))
         await asyncio.gather(*blockers)
-        answers.put(None)  # LitServe's shutdown sentinel ends the reader thread
-        requests.put(None)
+        answers.close()  # the shutdown sentinel ends the reader thread
 
     asyncio.run(scenario())
 
 
-def _shm_entries() -> set[str]:
-    return {p.name for p in pixel_slots.SHM_ROOT.glob(f"{pixel_slots.PREFIX}*")}
-
-
 def test_after_a_flood_a_kill_and_a_sigterm_shared_memory_and_rss_are_back_at_baseline(tmp_path: Path) -> None:
-    before = _shm_entries()
     server = start_server({"max_batch_size": 4, "drain_timeout_s": 20}, tmp_path)
     try:
         wait_ready(server)
@@ -203,6 +198,6 @@ def test_after_a_flood_a_kill_and_a_sigterm_shared_memory_and_rss_are_back_at_ba
         assert server.tree_rss() < baseline * 1.3, (baseline, server.tree_rss())
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=30) == 0
-        assert _shm_entries() == before, "the server left shared memory behind"
+        assert not server.slot_directory.exists(), "the server left shared memory behind"
     finally:
         stop_server(server)

@@ -1,0 +1,82 @@
+"""Answers from the inference workers to each front end: one Unix datagram socket per front end.
+
+LitServe 0.2.19 (pinned `<0.3`) sends every answer through a Manager queue: a synchronous round trip to the queue
+process for the worker, another for the front end, and the queue process's CPU for both (at 128x128 the workers
+spent 45% of their time in that `put`). A datagram is sent without waiting for anyone, and is delivered whole or not
+at all: a worker killed while sending cannot corrupt what the others send, and there is no shared lock for it to die
+holding. This plugs in at LitServe's own seam, its `MessageTransport`: the workers' loop calls `send` as it would
+on LitServe's transport. The request queue stays LitServe's (workers share it, so it needs its queue process).
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import socket
+from typing import Any
+
+from litserve.transport.base import MessageTransport
+from litserve.utils import LitAPIStatus
+
+from service.errors import ApiError
+
+log = logging.getLogger(__name__)
+BUFFER_BYTES = 4 * 1024 * 1024  # asked of the kernel for both ends (capped by net.core.[rw]mem_max)
+MAX_ANSWER_BYTES = 192 * 1024  # more than any answer that is not written into its slot (api.INLINE_BYTES)
+SEND_TIMEOUT_S = 10.0  # a front end that reads nothing for this long gets its answer dropped (its client: 504)
+
+
+class FrontEndAnswers:
+    """The receiving end, bound in a front-end process: `receive` blocks until the next answer."""
+
+    def __init__(self, address: str) -> None:
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER_BYTES)
+        self._socket.bind(address)
+
+    def receive(self) -> Any:
+        """The next answer as the workers' loop sent it; None when the server shuts down."""
+        return pickle.loads(self._socket.recv(MAX_ANSWER_BYTES))
+
+
+class AnswerSockets(MessageTransport):
+    """Where the workers send each front end's answers: an abstract-namespace socket per front end (no file)."""
+
+    def __init__(self, name: str, front_ends: int) -> None:
+        self.addresses = [f"\0{name}-answers-{index}" for index in range(front_ends)]
+        self._sender: socket.socket | None = None  # one per process, made on first use
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"addresses": self.addresses, "_sender": None}  # a spawned worker makes its own socket
+
+    def receiver(self, front_end: int) -> FrontEndAnswers:
+        """Bind front end `front_end`'s socket (in its own process, before it takes any request)."""
+        return FrontEndAnswers(self.addresses[front_end])
+
+    def send(self, item: Any, consumer_id: int) -> None:
+        """Send one answer (uid, (output, status, kind, worker)) to its front end, without waiting for it."""
+        data = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
+        if len(data) > MAX_ANSWER_BYTES:
+            uid, (_, _, kind, worker) = item
+            error = ApiError(500, "answer_too_large", f"the model's answer is {len(data)} bytes")
+            data = pickle.dumps((uid, (error, LitAPIStatus.OK, kind, worker)), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            self._socket().sendto(data, self.addresses[consumer_id])
+        except OSError as exc:  # the front end is gone (shutdown) or read nothing for SEND_TIMEOUT_S
+            log.warning("an answer to front end %d was dropped: %s", consumer_id, exc)
+
+    async def areceive(self, timeout: int | None = None, consumer_id: int | None = None) -> dict:
+        raise NotImplementedError("imgserve's front ends read their answers with FrontEndAnswers.receive")
+
+    def close(self, send_sentinel: bool = True, **kwargs: Any) -> None:
+        """At shutdown: tell each front end's reader to stop."""
+        if send_sentinel:
+            for index in range(len(self.addresses)):
+                self.send(None, index)
+
+    def _socket(self) -> socket.socket:
+        if self._sender is None:
+            self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER_BYTES)
+            self._sender.settimeout(SEND_TIMEOUT_S)
+        return self._sender
