@@ -512,3 +512,13 @@ def test_values_documented() -> None:
             undocumented.append(line.strip())
         enclosing.append((indent, own))
     assert not undocumented, undocumented
+
+
+def test_settings_take_auto_front_ends_and_the_real_model_settings() -> None:
+    base = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+    settings = ["settings.api_servers=auto", "settings.preprocess=imagenet", "settings.task=segment"]
+    rendered = helm(*base, *(arg for s in settings for arg in ("--set", s))).stdout
+    assert all(f"IMGSERVE_{s.split('=')[0].split('.')[1].upper()}" in rendered for s in settings)
+    for bad in ("settings.api_servers=0", "settings.task=caption"):
+        refused = helm(*base, "--set", bad, check=False)
+        assert refused.returncode != 0 and bad.split("=")[0].split(".")[1] in refused.stderr, refused.stderr
