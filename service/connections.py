@@ -6,7 +6,10 @@ httptools bounds neither headers nor time, so each connection here is held to: `
 with `Connection: close`, then a lingering close (our side shut, the client's late bytes read and dropped for a
 moment) so that a client still sending reads its answer instead of a reset. An answer sent before the body is in
 always carries `Connection: close`. A predict request that the pod cannot take (queue full, draining) is answered
-503 here, before any ASGI work, and its body is skipped, keeping the connection for the client's retry.
+503 here, before any ASGI work, and its body is skipped, keeping the connection for the client's retry. A client
+that comes back on the same connection sooner than the Retry-After it was given gets its next 503 only once that
+time is up: a retry storm of clients that resend at once costs the pod one answer per client per Retry-After, not
+as many as the clients can send (and the clients' own CPU, where they share the machine).
 
 Built on uvicorn's HttpToolsProtocol internals: pyproject.toml pins the uvicorn versions it was tested with.
 """
@@ -102,6 +105,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._shed = False  # the current request was answered here; its body is skipped
         self._lingering = False
         self._refusal: str | None = None
+        self._last_shed = -float("inf")  # when this connection's last 503 was sent
+        self._hold: asyncio.TimerHandle | None = None  # a 503 waiting for the client's Retry-After to pass
+        self._done_while_held = False
 
     # Connection.
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -114,6 +120,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_timer()
+        if self._hold is not None:
+            self._hold.cancel()
         super().connection_lost(exc)
 
     def is_closing(self) -> bool:
@@ -201,6 +209,9 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._cancel_timer()
         self._phase = _IDLE
         if self._shed:
+            if self._hold is not None:  # the 503 is still held: go on once it is sent
+                self._done_while_held = True
+                return None
             return self.on_response_complete()  # the 503 went out at the headers: arm keep-alive, go on
         if not self.cycle.response_started:
             self.cycle.keep_alive = self._keep_alive
@@ -227,10 +238,30 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._shed = True
         # Skip the body and keep the connection, unless the body is unbounded or will never come (Expect: 100).
         if not self.expect_100_continue and self._declared_length() <= self.settings.max_body_bytes:
-            self._socket.write(self.refusals[f"{reason}+keep-alive"][1])
+            self._shed_keeping_connection(self.refusals[f"{reason}+keep-alive"][1])
         else:
             self._refuse(reason)
         return True
+
+    def _shed_keeping_connection(self, answer: bytes) -> None:
+        """Send the 503 now, or, to a client back before its last Retry-After was up, once it is (reading paused)."""
+        now = self.loop.time()
+        due = self._last_shed + self.settings.retry_after_s
+        self._last_shed = max(now, due)
+        if due <= now:
+            return self._socket.write(answer)
+        self.flow.pause_reading()
+        self._hold = self.loop.call_at(due, self._send_held, answer)
+
+    def _send_held(self, answer: bytes) -> None:
+        self._hold = None
+        if self.is_closing():
+            return
+        self._socket.write(answer)
+        self.flow.resume_reading()
+        if self._done_while_held:
+            self._done_while_held = False
+            self.on_response_complete()
 
     def _declared_length(self) -> int:
         for name, value in self.headers:

@@ -3,6 +3,7 @@ excess connections, early answers on keep-alive connections, disconnects mid-bod
 
 from __future__ import annotations
 
+import itertools
 import select
 import socket
 import time
@@ -292,8 +293,8 @@ def test_good_requests_keep_their_connection(server: Server) -> None:
 
 def test_a_full_pod_sheds_at_the_headers_and_keeps_the_connection(tmp_path, toy_model, monkeypatch) -> None:
     """503 from the connection layer: the body skipped, the connection kept for the retry (closed when the body is
-    chunked, as its length is unknown)."""
-    monkeypatch.setenv("TOY_DELAY_S", "2.0")
+    chunked, as its length is unknown); a client back before its Retry-After gets its next 503 when it is up."""
+    monkeypatch.setenv("TOY_DELAY_S", "6.0")
     settings = dict(max_batch_size=1, max_queue_depth=1, workers_per_device=1, batch_timeout_ms=0)
     with running_server(tmp_path, **settings, **toy_model("Slow")) as server, ThreadPoolExecutor(1) as pool:
         held = pool.submit(good_request, server)
@@ -302,11 +303,14 @@ def test_a_full_pod_sheds_at_the_headers_and_keeps_the_connection(tmp_path, toy_
             assert time.monotonic() < deadline
             time.sleep(0.05)
         with connect(server) as sock:
-            for _ in range(3):
+            answered_at = []
+            for _ in range(3):  # resent at once: the second and third 503 wait for the Retry-After of 1 s
                 sock.sendall(request_head(length=len(GOOD)) + GOOD)
                 answer = read_answer(sock)
+                answered_at.append(time.monotonic())
                 assert (answer.status, answer.code, answer.headers["retry-after"]) == (503, "queue_full", "1")
                 assert "connection" not in answer.headers
+            assert all(later - earlier > 0.8 for earlier, later in itertools.pairwise(answered_at)), answered_at
             sock.sendall(request_head(extra="Transfer-Encoding: chunked\r\n") + b"10\r\n" + b"\0" * 16 + b"\r\n")
             answer = read_answer(sock)
             assert (answer.status, answer.code, answer.headers["connection"]) == (503, "queue_full", "close")
