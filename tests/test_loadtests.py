@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import json
-import statistics
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -89,16 +88,15 @@ def test_imgserve_is_held_to_the_higher_of_the_two_limit_measurements() -> None:
     assert bench.Limits(before, before, after_images_per_s=80.0).reference == 100.0
 
 
-def test_a_retry_storm_resends_at_once_and_the_server_holds_it_to_retry_after(imgserve: RunningServer) -> None:
+def test_a_retry_storm_resends_at_once_where_polite_clients_wait(imgserve: RunningServer) -> None:
+    """The load generator's storm option (the server's Retry-After hold is tested over raw sockets in
+    test_hostile.py: here the clients' pooled connections mix first and repeated 503s)."""
     url = imgserve.url + "/predict"
     polite = run_closed_loop(url, users=200, seconds=2)
     storm = run_closed_loop(url, users=200, seconds=2, retry_at_once=True)
     assert polite.failed == storm.failed == 0
     assert polite.shed > 0 and len(storm.answered) > 0
     assert storm.shed > polite.shed  # polite users wait Retry-After (1 s) after each 503; the storm does not
-    # ... so the server holds the storm's repeated 503s until each connection's Retry-After is up.
-    held, prompt = (statistics.median(o.latency_s for o in r.outcomes if o.status == 503) for r in (storm, polite))
-    assert held > 3 * prompt, (held, prompt)
 
 
 def _result(users: int, latencies_s: list[float], window_s: float = 1.0) -> LoadResult:
