@@ -56,14 +56,12 @@ class Admission:
         """Take a place in the pod's queue (release() gives it back), or raise 503 queue_full."""
         limit = self.limit()
         if not self.state.try_admit(limit):
-            raise self._shed("queue_full", f"{SHED_MESSAGES['queue_full']} ({limit} requests)")
+            self._rejected["queue_full"].inc()
+            message = f"{SHED_MESSAGES['queue_full']} ({limit} requests)"
+            raise ApiError(503, "queue_full", message, self.settings.retry_after_s)
 
     def release(self) -> None:
         self.state.release()
-
-    def _shed(self, reason: str, message: str) -> ApiError:
-        REJECTED.labels(reason).inc()
-        return ApiError(503, reason, message, retry_after=self.settings.retry_after_s)
 
 
 class AdmissionMiddleware:

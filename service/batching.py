@@ -86,7 +86,7 @@ class InMemory:
         out[...] = self.array
 
 
-Result = np.ndarray | ApiError
+Result = np.ndarray | dict | ApiError  # pixels, a mask or scores; detections; or why there is none
 
 
 class BatchRunner:

@@ -55,8 +55,8 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=1024, le=65535, description="TCP port.")
     api_servers: int | Literal["auto"] = Field(
         "auto",
-        description="HTTP front-end processes (they share the port); auto = the cores the inference workers leave "
-        f"free, at least 1, at most {MAX_FRONT_ENDS}.",
+        description="HTTP front-end processes (they share the port); auto = 1 on a CPU (the workers use every "
+        f"core), on a GPU the cores the inference workers leave free, at least 1, at most {MAX_FRONT_ENDS}.",
     )
 
     # What it serves.

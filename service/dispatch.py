@@ -63,9 +63,9 @@ class Slot:
     def write(self, pixels: np.ndarray) -> None:
         self.dispatcher.files.write(self.index, pixels)
 
-    async def submit(self, shape: tuple[int, ...], deadline: float, **fields: Any) -> Any:
+    async def submit(self, shape: tuple[int, ...], deadline: float) -> Any:
         """Queue the request for a worker and wait for its answer, until the deadline or the worker's death."""
-        return await self.dispatcher.submit(self, shape, deadline, fields)
+        return await self.dispatcher.submit(self, shape, deadline)
 
     def result(self, answer: Any) -> Any:
         """The worker's answer, read from the slot when it lies there."""
@@ -115,9 +115,9 @@ class Dispatcher:
             else:  # a worker has it or may still take it: the slot waits for that answer, or the worker's death
                 slot.pending.given_up = True
 
-    async def submit(self, slot: Slot, shape: tuple[int, ...], deadline: float, fields: dict[str, Any]) -> Any:
+    async def submit(self, slot: Slot, shape: tuple[int, ...], deadline: float) -> Any:
         uid, now = uuid.uuid4().hex, time.monotonic()
-        payload = {"slot": (slot.index, slot.ticket), "shape": shape, "deadline": deadline, "admitted": now, **fields}
+        payload = {"slot": (slot.index, slot.ticket), "shape": shape, "deadline": deadline, "admitted": now}
         message = (self._front_end, uid, now, payload)
         pending = slot.pending = self._pending[uid] = _Pending(uid, slot.index, slot.ticket, now, deadline, message)
         self._outbox.put(message)

@@ -178,7 +178,7 @@ class ImageServer(ls.LitServer):
             "request_timeout_s": self.settings.request_timeout_s,
             "max_body_bytes": self.settings.max_body_bytes,
             "max_image_pixels": self.settings.max_image_pixels,
-            "task": self.state.task,  # issue 15: the output kind the workers decided at warm-up
+            "task": self.state.task,  # the output kind the workers decided at warm-up
             "version": __version__,
         }
 
