@@ -6,8 +6,6 @@ Each server is started by the harness on a free loopback port, warmed up, driven
 at each concurrency (plus a 10x overload; imgserve also under a retry storm: 10x overload with clients that
 resend at once on 503), and killed with its whole process tree. The markdown table with the ratios
 imgserve/limit, imgserve/baseline and imgserve/plain LitServe is printed and written to --out.
-
-`python -m loadtests.bench --overhead [--quick]` runs the overhead benchmark instead (loadtests/overhead.py).
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import os
 import shlex
 import sys
 import tempfile
@@ -29,6 +26,7 @@ import psutil
 
 from loadtests.closed_loop import LoadResult, run_closed_loop
 from loadtests.inprocess import BATCH_SIZES, Limit, measure_limit
+from loadtests.report import failures_seen, machine, publish
 from loadtests.servers import ResourceSampler, free_port, imgserve_command, running_server
 
 CONCURRENCIES = (1, 3, 20, 64)
@@ -128,18 +126,6 @@ def _ms(value: float | None) -> str:
 
 def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b else "-"
-
-
-def machine() -> str:
-    """CPU count and model, RAM, and the GPU if torch sees one."""
-    model = "unknown CPU"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
-        model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
-    ram = psutil.virtual_memory().total / 2**30
-    import torch
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return f"{os.cpu_count()} CPUs ({model}), {ram:.0f} GiB RAM, {gpu}"
 
 
 def _targets(plan: Plan, limit: float, by_key: dict[tuple[str, int], Cell]) -> list[str]:
@@ -257,23 +243,11 @@ def render(plan: Plan, limits: Limits, cells: list[Cell], info: dict, command: s
     return "\n".join(lines) + "\n"
 
 
-def failures_seen(cells: list) -> list[str]:
-    """The report's list of the distinct failures any cell saw (none: no lines)."""
-    errors = sorted({e for c in cells for e in c.result.errors()})
-    return ["", "Failures seen:", *(f"- `{e}`" for e in errors[:10])] if errors else []
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short cells at 1 and 20 users (+10x): a smoke run")
     parser.add_argument("--out", type=Path, default=None, help="markdown report (default loadtests/results/...)")
-    parser.add_argument("--overhead", action="store_true", help="the overhead benchmark (loadtests/overhead.py)")
     args = parser.parse_args(argv)
-    if args.overhead:
-        from loadtests import overhead  # it imports this module
-
-        out = ["--out", str(args.out)] if args.out else []
-        return overhead.main(["--quick"] * args.quick + out)
     args.out = args.out or Path("loadtests/results/bench.md")
     plan = Plan.make(args.quick)
     cells, info = [], {}
@@ -291,14 +265,6 @@ def main(argv: list[str] | None = None) -> int:
     after = measure_limit((limit.best_batch,), plan.limit_seconds)
     command = shlex.join(["python", "-m", "loadtests.bench", *(argv if argv is not None else sys.argv[1:])])
     return publish(render(plan, Limits(limit, nchw, after.images_per_s), cells, info, command, machine()), args.out)
-
-
-def publish(report: str, out: Path) -> int:
-    """Write the markdown report to `out` and print it; the command's exit status."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(report)
-    print(report)
-    return 0
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from loadtests.bench import machine
 from loadtests.closed_loop import LoadResult, run_closed_loop
+from loadtests.report import machine
 from loadtests.servers import ResourceSampler, free_port, imgserve_command, running_server
 
 SETTINGS = {"IMGSERVE_MAX_BATCH_SIZE": "4", "IMGSERVE_MAX_QUEUE_DEPTH": "8"}

@@ -32,9 +32,9 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests import overhead
-from loadtests.bench import machine
 from loadtests.closed_loop import run_closed_loop
 from loadtests.images import SampleImage, square_jpegs
+from loadtests.report import machine
 from loadtests.servers import RunningServer, free_port, imgserve_command, running_server
 
 REPO = Path(__file__).resolve().parent.parent

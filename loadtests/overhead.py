@@ -1,6 +1,6 @@
 """imgserve's own cost per image: a near-free model served by imgserve against the same work done in-process.
 
-`python -m loadtests.overhead [--quick] --out loadtests/results/overhead.md` (or `python -m loadtests.bench --overhead`)
+`python -m loadtests.overhead [--quick] --out loadtests/results/overhead.md`
 
 The model is a TorchScript `x.clamp(0, 1)`, so what is measured is HTTP, decode, moving pixels, tensor conversion
 and encode. The in-process limit runs decode -> tensor -> model -> uint8 -> JPEG with plain Pillow and torch in
@@ -29,13 +29,13 @@ import httpx
 import numpy as np
 import psutil
 import torch
+from imgserve.config import Settings
 from PIL import Image
 
-from loadtests.bench import failures_seen, machine, publish
 from loadtests.closed_loop import LoadResult, run_closed_loop
 from loadtests.images import SampleImage, square_jpegs
+from loadtests.report import failures_seen, machine, publish
 from loadtests.servers import ResourceSampler, RunningServer, free_port, imgserve_command, running_server
-from service.config import Settings
 
 SIDES = (128, 512, 1024)
 CONCURRENCIES = (1, 16, 64)

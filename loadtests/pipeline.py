@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from service import codec
-from service.batching import BatchRunner, InMemory
-from service.config import BUILTIN_MODEL, Settings
-from service.models.loader import load_model
+from imgserve.config import BUILTIN_MODEL, Settings
+from imgserve.frontend import codec
+from imgserve.models.loader import load_model
+from imgserve.worker.batching import BatchRunner, InMemory
 
 DEFAULTS = Settings()
 

@@ -30,7 +30,7 @@ def free_port() -> int:
 
 def imgserve_command(port: int) -> list[str]:
     """`imgserve serve` on loopback; settings come from IMGSERVE_* in the environment."""
-    return [sys.executable, "-m", "service.cli", "serve", "--host", LOOPBACK, "--port", str(port)]
+    return [sys.executable, "-m", "imgserve", "serve", "--host", LOOPBACK, "--port", str(port)]
 
 
 @dataclass

@@ -13,14 +13,15 @@ from pathlib import Path
 
 import httpx
 import psutil
+from imgserve.handoff.slots import server_directory
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.servers import RunningServer, free_port, imgserve_command, stop
 from loadtests.servers import wait_ready as _wait_ready
-from service.pixel_slots import server_directory
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
+SOURCE = REPO / "service"  # this worktree's imgserve, whatever is installed
 
 
 class Server(RunningServer):
@@ -81,7 +82,7 @@ def start_server(settings: dict[str, object], log_dir: Path) -> Server:
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("IMGSERVE_") and k != "PROMETHEUS_MULTIPROC_DIR"}
     env.update({f"IMGSERVE_{key.upper()}": str(value) for key, value in settings.items()})
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(SOURCE), str(REPO), env.get("PYTHONPATH", "")])
     log_path = log_dir / f"imgserve-{port}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
@@ -112,9 +113,8 @@ def running_server(log_dir: Path | None = None, **settings: object) -> Iterator[
 def image_bytes(width: int, height: int, fmt: str = "PNG", seed: int = 0, mode: str = "RGB") -> bytes:
     """A synthetic photo of the given size, encoded."""
     import numpy as np
+    from imgserve.models.synthetic import clean_image
     from PIL import Image
-
-    from service.models.synthetic import clean_image
 
     pixels = (clean_image(np.random.default_rng(seed), height, width) * 255).astype("uint8")
     buffer = io.BytesIO()

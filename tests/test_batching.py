@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-
-from service.batching import BatchRunner, InMemory, MemoryPlan, plan_chunks
-from service.errors import ApiError
-from service.models.denoiser import build_denoiser
+from imgserve.errors import ApiError
+from imgserve.models.denoiser import build_denoiser
+from imgserve.worker.batching import BatchRunner, InMemory, MemoryPlan, plan_chunks
 
 NHWC = torch.channels_last
 SIZES = [(32, 40), (32, 40), (24, 24), (64, 48), (24, 24), (40, 32)]

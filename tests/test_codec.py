@@ -6,11 +6,10 @@ import io
 
 import numpy as np
 import pytest
+from imgserve.errors import ApiError
+from imgserve.frontend.codec import choose_format, decode_image, encode_image
+from imgserve.models.preprocess import Preprocess
 from PIL import Image
-
-from service.codec import choose_format, decode_image, encode_image
-from service.errors import ApiError
-from service.preprocess import Preprocess
 
 LIMIT = 10_000_000
 

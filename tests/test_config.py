@@ -6,9 +6,8 @@ import os
 from pathlib import Path
 
 import pytest
-
-from service import config
-from service.config import MAX_CPU_WORKERS, Settings, usable_cpus
+from imgserve import config
+from imgserve.config import MAX_CPU_WORKERS, Settings, usable_cpus
 
 
 @pytest.mark.parametrize(

@@ -149,10 +149,10 @@ def test_build_context() -> None:
     rules = [r.strip() for r in DOCKERIGNORE.read_text().splitlines() if r.strip() and not r.startswith("#")]
     weights = [p.relative_to(REPO).as_posix() for p in (REPO / "service").rglob("*.safetensors")]
     assert weights, "the built-in model's weights are missing from service/"
-    for kept in ["pyproject.toml", "README.md", "service/cli.py", *weights]:
+    for kept in ["pyproject.toml", "README.md", "service/imgserve/cli.py", *weights]:
         assert not ignored(kept, rules), kept
     for dropped in [".git/HEAD", ".venv/bin/python", "tests/test_chart.py", "charts/imgserve/values.yaml",
-                    "service/__pycache__/cli.cpython-311.pyc", ".tools/bin/helm"]:  # fmt: skip
+                    "service/imgserve/__pycache__/cli.cpython-311.pyc", ".tools/bin/helm"]:  # fmt: skip
         assert ignored(dropped, rules), dropped
     copied = {a.split()[0] for k, a in instructions() if k == "COPY"}
     assert all(not ignored(source, rules) for source in copied), copied

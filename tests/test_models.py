@@ -8,14 +8,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from imgserve.models.denoiser import Denoiser, build_denoiser
+from imgserve.models.loader import ModelLoadError, load_model
+from imgserve.tools.train import evaluate, train
 from PIL import Image
 from safetensors.torch import save_file
 from serving import image_bytes, running_server
 from toy_models import TinyClassifier
-
-from service.models.denoiser import Denoiser, build_denoiser
-from service.models.loader import ModelLoadError, load_model
-from service.models.train import evaluate, train
 
 
 def test_shipped_denoiser_raises_psnr() -> None:
@@ -40,7 +39,7 @@ def _save_formats(directory: Path) -> dict[str, dict[str, str]]:
     save_file(model.state_dict(), str(paths["m.safetensors"]))
     torch.save(model.state_dict(), paths["state.pt"])
     torch.save(model, paths["whole.pt"])
-    factory = "service.models.denoiser:Denoiser"
+    factory = "imgserve.models.denoiser:Denoiser"
     return {
         "torchscript": {"model": str(paths["m.ts"])},
         "torch.export": {"model": str(paths["m.pt2"])},
@@ -88,7 +87,7 @@ def test_state_dict_without_factory_or_wrong_weights_is_explained(formats: dict,
         load_model(formats["state dict+factory"]["model"], "nowhere.module:build")
     save_file(Denoiser(channels=8).state_dict(), str(tmp_path / "small.safetensors"))
     with pytest.raises(ModelLoadError, match="do not fit"):
-        load_model(str(tmp_path / "small.safetensors"), "service.models.denoiser:Denoiser")
+        load_model(str(tmp_path / "small.safetensors"), "imgserve.models.denoiser:Denoiser")
 
 
 def test_classifier_answers_json_top_k(tmp_path: Path) -> None:

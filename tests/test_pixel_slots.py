@@ -15,21 +15,21 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from imgserve.config import Settings
+from imgserve.errors import ApiError
+from imgserve.handoff import slots as pixel_slots
+from imgserve.handoff.answers import AnswerSockets
+from imgserve.handoff.dispatch import Dispatcher
+from imgserve.handoff.slots import InSlot, SlotFiles
+from imgserve.handoff.state import SharedState
+from imgserve.models.denoiser import build_denoiser
+from imgserve.worker.api import ImageAPI
+from imgserve.worker.batching import BatchRunner, InMemory
 from litserve.utils import LitAPIStatus
 from serving import image_bytes, start_server, stop_server, wait_ready
 
 from loadtests.closed_loop import run_closed_loop
 from loadtests.images import square_jpegs
-from service import pixel_slots
-from service.answers import AnswerSockets
-from service.api import ImageAPI
-from service.batching import BatchRunner, InMemory
-from service.config import Settings
-from service.dispatch import Dispatcher
-from service.errors import ApiError
-from service.models.denoiser import build_denoiser
-from service.pixel_slots import InSlot, SlotFiles
-from service.state import SharedState
 
 SMALL_MESSAGE = 1024  # bytes: a request or an answer as it crosses the queues, whatever the image size
 

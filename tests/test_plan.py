@@ -17,11 +17,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from imgserve.cli import main
+from imgserve.tools.plan import hpa, inputs, report
+from imgserve.tools.plan.simulate import simulate
 from serving import running_server
-
-from service.cli import main
-from service.plan import hpa, inputs, report
-from service.plan.simulate import simulate
 
 DATA = Path(__file__).parent / "plan_data"
 REPO = Path(__file__).parent.parent

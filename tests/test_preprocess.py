@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from imgserve.config import Settings
+from imgserve.frontend.codec import decode_image
+from imgserve.models.preprocess import Geometry, Preprocess
+from imgserve.worker.batching import BatchRunner, InMemory
 from PIL import Image
 from reference import IMAGENET_MEAN, IMAGENET_STD, photo, to_tensor, torchvision_by_hand
-
-from service.batching import BatchRunner, InMemory
-from service.codec import decode_image
-from service.config import Settings
-from service.preprocess import Geometry, Preprocess
 
 
 @pytest.mark.parametrize(("width", "height"), [(500, 375), (333, 501), (259, 256), (300, 398), (1001, 257), (256, 256)])

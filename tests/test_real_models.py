@@ -13,6 +13,10 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from imgserve.frontend.render import mask_on_original
+from imgserve.models import outputs
+from imgserve.models.loader import ModelLoadError
+from imgserve.models.preprocess import Preprocess
 from PIL import Image
 from real_shapes import (
     CLASSES,
@@ -28,11 +32,7 @@ from real_shapes import (
 )
 from reference import from_tensor, photo, to_tensor, torchvision_by_hand
 from safetensors.torch import save_file
-from serving import TESTS, Server, free_port, image_bytes, running_server, stop_server, wait_ready
-
-from service import tasks
-from service.models.loader import ModelLoadError
-from service.preprocess import Preprocess
+from serving import SOURCE, TESTS, Server, free_port, image_bytes, running_server, stop_server, wait_ready
 
 PNG = {"Content-Type": "image/png"}
 
@@ -119,19 +119,19 @@ def test_segmenter_answers_a_class_mask_of_the_upload_size(segmenter) -> None:
     assert (mask.mode, mask.size) == ("P", (120, 90))
     prepared = preprocess(Image.open(io.BytesIO(data)).convert("RGB"))
     logits = run(model, to_tensor(prepared.pixels))["out"][0]
-    expected = tasks.mask_on_original(logits.argmax(dim=0).to(torch.uint8).numpy(), prepared.geometry)
+    expected = mask_on_original(logits.argmax(dim=0).to(torch.uint8).numpy(), prepared.geometry)
     got = np.asarray(mask)
     assert (got == expected).all()
     # 120 x 90 -> 96 x 72 -> the crop's 64 columns start at 16: the upload's first 20 columns were not seen.
-    assert (got[:, :19] == tasks.UNSEEN).all() and (got[45, 21:99] < SEGMENT_CLASSES).all()
+    assert (got[:, :19] == outputs.UNSEEN).all() and (got[45, 21:99] < SEGMENT_CLASSES).all()
 
     classes = post(server, data, format="json").json()
     assert (classes["width"], classes["height"]) == (120, 90)
-    indices, counts = np.unique(got[got != tasks.UNSEEN], return_counts=True)
+    indices, counts = np.unique(got[got != outputs.UNSEEN], return_counts=True)
     expected_counts = dict(zip(indices.tolist(), counts.tolist(), strict=True))
     assert {c["index"]: c["pixels"] for c in classes["classes"]} == expected_counts
     assert all(c["label"] == f"part {c['index']}" for c in classes["classes"])
-    assert sum(c["fraction"] for c in classes["classes"]) == pytest.approx((got != tasks.UNSEEN).mean())
+    assert sum(c["fraction"] for c in classes["classes"]) == pytest.approx((got != outputs.UNSEEN).mean())
 
     refused = post(server, data, format="jpeg")
     assert (refused.status_code, refused.json()["error"]["code"]) == (422, "bad_parameters")
@@ -144,7 +144,7 @@ def console_script_server(settings: dict[str, object], cwd: Path) -> Server:
     flags = [arg for name, value in settings.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
     command = [str(Path(sys.executable).parent / "imgserve"), "serve", "--host", "127.0.0.1", "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("IMGSERVE_") and k != "PROMETHEUS_MULTIPROC_DIR"}
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS)])  # the worktree's service; not the cwd
+    env["PYTHONPATH"] = os.pathsep.join([str(SOURCE), str(TESTS)])  # this worktree's imgserve; not the cwd
     log_path = cwd / "imgserve.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
@@ -218,11 +218,53 @@ def test_four_channel_output_is_rgba_in_png_and_webp_and_over_white_in_jpeg(tmp_
     ],
 )
 def test_the_output_kind_is_guessed_from_the_shape_or_set(model: torch.nn.Module, task: str, kind: str) -> None:
-    assert tasks.decide(run(model.eval(), torch.rand(1, 3, 224, 224)), task) == kind
+    assert outputs.decide(run(model.eval(), torch.rand(1, 3, 224, 224)), task) == kind
 
 
 def test_outputs_that_fit_no_kind_are_refused_with_the_reason() -> None:
     with pytest.raises(ModelLoadError, match=r"a tensor of shape \(1, 3, 5\), which imgserve cannot answer"):
-        tasks.decide(run(Unservable(), torch.rand(1, 3, 8, 8)), "auto")
+        outputs.decide(run(Unservable(), torch.rand(1, 3, 8, 8)), "auto")
     with pytest.raises(ModelLoadError, match="--task detect expects a list of N dicts"):
-        tasks.decide(run(FixedSizeClassifier(), torch.rand(1, 3, 224, 224)), "detect")
+        outputs.decide(run(FixedSizeClassifier(), torch.rand(1, 3, 224, 224)), "detect")
+
+
+USER_MODEL = """import torch
+
+
+class Gain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return x * self.gain
+
+
+build = Gain
+"""
+
+
+@pytest.mark.parametrize(
+    ("files", "factory"),
+    [
+        ({"service.py": USER_MODEL}, "service:build"),
+        ({"service/__init__.py": "", "mynet.py": USER_MODEL}, "mynet:build"),
+    ],
+    ids=["factory-named-service", "beside-a-service-package"],
+)
+def test_a_users_service_module_in_the_working_directory_changes_nothing(
+    tmp_path: Path, files: dict[str, str], factory: str
+) -> None:
+    """imgserve imports as `imgserve`: a project folder's own `service.py` or `service/` is the user's, not ours."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    save_file({"gain": torch.ones(1)}, str(tmp_path / "w.safetensors"))
+    server = console_script_server({"model": "w.safetensors", "model_factory": factory}, tmp_path)
+    try:
+        wait_ready(server)
+        answer = post(server, image_bytes(32, 24), format="png")
+        assert answer.status_code == 200, answer.text
+        assert Image.open(io.BytesIO(answer.content)).size == (32, 24)
+    finally:
+        stop_server(server)

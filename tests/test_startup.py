@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from imgserve.cli import _add_settings_flags
+from imgserve.config import Settings
+from imgserve.models.loader import ModelLoadError, load_model
 from real_shapes import FixedSizeClassifier, Unservable
 from safetensors.torch import save_file
-from serving import REPO, TESTS, start_server, stop_server
-
-from service.cli import _add_settings_flags
-from service.config import Settings
-from service.models.loader import ModelLoadError, load_model
+from serving import SOURCE, TESTS, start_server, stop_server
 
 
 def test_boolean_settings_are_bare_flags_with_no_variants() -> None:
@@ -31,9 +30,9 @@ def test_boolean_settings_are_bare_flags_with_no_variants() -> None:
 
 def imgserve(*flags: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`imgserve serve FLAGS` that is expected to stop at once (it never gets as far as listening)."""
-    command = [sys.executable, "-m", "service.cli", "serve", "--host", "127.0.0.1", "--port", "1099", *flags]
+    command = [sys.executable, "-m", "imgserve", "serve", "--host", "127.0.0.1", "--port", "1099", *flags]
     env = {k: v for k, v in os.environ.items() if not k.startswith("IMGSERVE_") and k != "PROMETHEUS_MULTIPROC_DIR"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS)])  # this worktree's service, wherever cwd is
+    env["PYTHONPATH"] = os.pathsep.join([str(SOURCE), str(TESTS)])  # this worktree's imgserve, wherever cwd is
     return subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from service.config import Settings
+from imgserve.config import Settings
 
 FILTERS = {
     "bilinear": Image.Resampling.BILINEAR,

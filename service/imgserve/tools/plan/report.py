@@ -7,9 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-from service.plan.inputs import Autoscaler, PodModel
-from service.plan.simulate import Timeline
+from imgserve.tools.plan.inputs import Autoscaler, PodModel
+from imgserve.tools.plan.simulate import Timeline
 
 
 @dataclass(frozen=True)

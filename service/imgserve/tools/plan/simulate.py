@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
-
-from service.plan.hpa import (
+from imgserve.tools.plan.hpa import (
     SYNC_PERIOD_S,
     Event,
     Recommendation,
@@ -23,7 +22,7 @@ from service.plan.hpa import (
     rate_limit,
     stabilize,
 )
-from service.plan.inputs import Autoscaler, PodModel
+from imgserve.tools.plan.inputs import Autoscaler, PodModel
 
 
 class Second(NamedTuple):

@@ -25,7 +25,7 @@ class SharedState:
         self._owner = _ctx.Array("q", request_slots, lock=False)
         self._taken = _ctx.Array("q", request_slots, lock=False)
         self._take_lock = _ctx.Lock()
-        self._task = _ctx.Array("c", 16)  # the output kind the workers decided (service/tasks.py)
+        self._task = _ctx.Array("c", 16)  # the output kind the workers decided (models/outputs.py)
         self._setup_failure = _ctx.Array("c", SETUP_FAILURE_BYTES)
 
     # Admission: requests admitted and not yet answered.

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
-from service.errors import ApiError
+from imgserve.errors import ApiError
 
 SHM_ROOT = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 PREFIX = "imgserve-"

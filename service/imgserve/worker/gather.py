@@ -13,13 +13,12 @@ import time
 from queue import Empty, Queue
 from typing import Any
 
+from imgserve.handoff.state import SharedState
+from imgserve.worker import memory as worker_memory
 from litserve import LitAPI
 from litserve.loops import BatchedLoop
 from litserve.loops.base import _SENTINEL_VALUE, _StopLoopError
 from litserve.transport.base import MessageTransport
-
-from service import worker_memory
-from service.state import SharedState
 
 IDLE_WAIT_S = 0.05  # one queue call per 50 ms while idle; a request or the stop sentinel wakes it at once
 TRIM_AFTER_IDLE_S = 2.0  # a worker idle this long gives the memory of its last batches back

@@ -12,11 +12,10 @@ import hmac
 import os
 import time
 
+from imgserve.config import Settings
+from imgserve.errors import ApiError
+from imgserve.frontend.admission import PREDICT_PATHS
 from starlette.types import ASGIApp, Receive, Scope, Send
-
-from service.admission import PREDICT_PATHS
-from service.config import Settings
-from service.errors import ApiError
 
 FILE_CHECK_S = 5.0  # how often the key file's modification time is looked at
 

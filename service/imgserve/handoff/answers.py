@@ -15,10 +15,9 @@ import pickle
 import socket
 from typing import Any
 
+from imgserve.errors import ApiError
 from litserve.transport.base import MessageTransport
 from litserve.utils import LitAPIStatus
-
-from service.errors import ApiError
 
 log = logging.getLogger(__name__)
 BUFFER_BYTES = 4 * 1024 * 1024  # asked of the kernel for both ends (capped by net.core.[rw]mem_max)

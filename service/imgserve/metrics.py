@@ -1,6 +1,6 @@
 """Prometheus metrics of the contract, correct across processes (prometheus_client multiprocess mode).
 
-`PROMETHEUS_MULTIPROC_DIR` must be set before this module is imported; `service.server` does that.
+`PROMETHEUS_MULTIPROC_DIR` must be set before this module is imported; `imgserve.server` does that.
 Live numbers that belong to the pod rather than a process (queue depth, GPU, model info) are read at scrape time.
 """
 
@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from service.pixel_slots import bytes_in_use
-from service.state import SharedState
+from imgserve.handoff.slots import bytes_in_use
+from imgserve.handoff.state import SharedState
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

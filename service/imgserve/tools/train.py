@@ -6,10 +6,9 @@ import argparse
 
 import numpy as np
 import torch
+from imgserve.models.denoiser import WEIGHTS, Denoiser
+from imgserve.models.synthetic import add_noise, clean_image, psnr
 from safetensors.torch import save_file
-
-from service.models.denoiser import WEIGHTS, Denoiser
-from service.models.synthetic import add_noise, clean_image, psnr
 
 
 def _batch(rng: np.random.Generator, size: int, patch: int) -> tuple[torch.Tensor, torch.Tensor]:

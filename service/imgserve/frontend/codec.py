@@ -5,10 +5,9 @@ from __future__ import annotations
 import io
 
 import numpy as np
+from imgserve.errors import ApiError
+from imgserve.models.preprocess import Prepared, Preprocess
 from PIL import Image, ImageOps, UnidentifiedImageError
-
-from service.errors import ApiError
-from service.preprocess import Prepared, Preprocess
 
 # We check the pixel count ourselves (413), before Pillow decodes anything.
 Image.MAX_IMAGE_PIXELS = None

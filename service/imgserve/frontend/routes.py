@@ -5,6 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
+from imgserve.config import Settings
+from imgserve.errors import ApiError
+from imgserve.frontend import codec
+from imgserve.frontend.render import Renderer
+from imgserve.handoff.dispatch import Dispatcher, Slot
+from imgserve.handoff.state import SharedState
+from imgserve.models import outputs
+from imgserve.models.preprocess import Geometry, Preprocess
 from litserve.utils import WorkerSetupStatus
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from python_multipart.multipart import parse_options_header
@@ -12,13 +20,6 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
-
-from service import codec, tasks
-from service.config import Settings
-from service.dispatch import Dispatcher, Slot
-from service.errors import ApiError
-from service.preprocess import Geometry, Preprocess
-from service.state import SharedState
 
 INLINE_CODEC_BYTES = 32 * 1024  # uploads up to this size are decoded (and their answers encoded) on the event loop
 MAX_LISTED_PROBLEMS = 5
@@ -97,7 +98,7 @@ class Routes:
         self.settings, self.state, self.dispatcher, self.metrics_body = settings, state, dispatcher, metrics_body
         self.describe, self.setup_status = describe, setup_status
         self.preprocess = Preprocess.from_settings(settings)
-        self.renderer = tasks.Renderer(settings, tasks.read_labels(settings.labels))
+        self.renderer = Renderer(settings, outputs.read_labels(settings.labels))
 
     async def predict(self, request: Request) -> Response:
         try:

@@ -19,21 +19,22 @@ import torch
 from litserve.utils import WorkerSetupStatus
 from starlette.routing import Route
 
-from service import __version__, metrics, tasks
-from service.admission import Admission, AdmissionMiddleware, queue_bound
-from service.answers import AnswerSockets
-from service.api import ImageAPI
-from service.auth import ApiKeyMiddleware, read_keys
-from service.batching import AUTO_BATCH_CAP
-from service.config import Settings, usable_cpus
-from service.connections import GuardedHttpToolsProtocol
-from service.dispatch import Dispatcher
-from service.errors import install_handlers
-from service.lifecycle import install_drain_on_sigterm, start_worker_monitor
-from service.models.loader import ModelLoadError, check_model_source
-from service.pixel_slots import create_directory, remove_directory
-from service.routes import Routes
-from service.state import SharedState
+from imgserve import __version__, metrics
+from imgserve.config import Settings, usable_cpus
+from imgserve.errors import install_handlers
+from imgserve.frontend.admission import Admission, AdmissionMiddleware, queue_bound
+from imgserve.frontend.auth import ApiKeyMiddleware, read_keys
+from imgserve.frontend.connections import GuardedHttpToolsProtocol
+from imgserve.frontend.routes import Routes
+from imgserve.handoff.answers import AnswerSockets
+from imgserve.handoff.dispatch import Dispatcher
+from imgserve.handoff.slots import create_directory, remove_directory
+from imgserve.handoff.state import SharedState
+from imgserve.models import outputs
+from imgserve.models.loader import ModelLoadError, check_model_source
+from imgserve.supervisor.lifecycle import install_drain_on_sigterm, start_worker_monitor
+from imgserve.worker.api import ImageAPI
+from imgserve.worker.batching import AUTO_BATCH_CAP
 
 log = logging.getLogger(__name__)
 MAX_WORKER_RESTARTS = 3
@@ -188,7 +189,7 @@ def serve(settings: Settings) -> int:
     settings.configure_logging()
     try:
         check_model_source(settings.model, settings.model_factory)
-        tasks.read_labels(settings.labels)
+        outputs.read_labels(settings.labels)
     except ModelLoadError as exc:
         log.error("imgserve: %s", exc)
         return 2

@@ -10,11 +10,10 @@ import time
 from multiprocessing.process import BaseProcess
 from typing import Protocol
 
+from imgserve import metrics
+from imgserve.config import Settings
+from imgserve.handoff.state import SharedState
 from prometheus_client import multiprocess
-
-from service import metrics
-from service.config import Settings
-from service.state import SharedState
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2

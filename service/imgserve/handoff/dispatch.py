@@ -24,13 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from imgserve import metrics
+from imgserve.errors import ApiError
+from imgserve.handoff.answers import FrontEndAnswers
+from imgserve.handoff.slots import InSlot, SlotFiles
+from imgserve.handoff.state import SharedState
 from litserve.utils import LitAPIStatus
-
-from service import metrics
-from service.answers import FrontEndAnswers
-from service.errors import ApiError
-from service.pixel_slots import InSlot, SlotFiles
-from service.state import SharedState
 
 log = logging.getLogger(__name__)
 WORKER_CHECK_S = 0.25  # how often a waiting request looks for its worker's death

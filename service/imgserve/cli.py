@@ -11,7 +11,7 @@ import tempfile
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from service.config import Settings
+from imgserve.config import Settings
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -57,7 +57,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"imgserve: {settings_problem(error)}", file=sys.stderr)
         return 2
     _fresh_metrics_dir()
-    from service.server import serve
+    from imgserve.server import serve
 
     return serve(settings)
 
@@ -71,15 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_settings_flags(serve_parser)
     serve_parser.set_defaults(func=_serve)
 
-    from service import plan
-    from service.models import train
+    from imgserve.tools import plan, train
 
     train.register(sub)
     plan.register(sub)
 
     args = parser.parse_args(argv)
     return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

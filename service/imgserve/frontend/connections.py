@@ -23,12 +23,11 @@ import time
 from typing import Any, ClassVar
 
 import httptools
+from imgserve import metrics
+from imgserve.config import Settings
+from imgserve.errors import ApiError
+from imgserve.frontend.admission import PREDICT_PATHS, SHED_MESSAGES, Admission
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-from service import metrics
-from service.admission import PREDICT_PATHS, SHED_MESSAGES, Admission
-from service.config import Settings
-from service.errors import ApiError
 
 LINGER_S = 2.0  # how long a refused client's late bytes are read and dropped before the socket closes
 _IDLE, _HEADERS, _BODY = 0, 1, 2

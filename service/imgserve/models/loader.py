@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from service.config import BUILTIN_MODEL
+from imgserve.config import BUILTIN_MODEL
 
 Model = Callable[[torch.Tensor], torch.Tensor]
 
@@ -47,7 +47,7 @@ def load_model(spec: str, factory: str | None = None, trust_pickle: bool = False
     """The model in eval mode on the CPU; the caller moves it to its device."""
     check_model_source(spec, factory)
     if spec == BUILTIN_MODEL:
-        from service.models.denoiser import build_denoiser
+        from imgserve.models.denoiser import build_denoiser
 
         return build_denoiser().eval()
     path = Path(spec)

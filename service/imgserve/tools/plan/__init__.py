@@ -9,8 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from service.plan import inputs, report
-from service.plan.simulate import simulate
+from imgserve.tools.plan import inputs, report
+from imgserve.tools.plan.simulate import simulate
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -16,10 +16,9 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-
-from service import preprocess, tasks
-from service.config import Settings
-from service.errors import ApiError
+from imgserve.config import Settings
+from imgserve.errors import ApiError
+from imgserve.models import outputs, preprocess
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +89,7 @@ Result = np.ndarray | dict | ApiError  # pixels, a mask or scores; detections; o
 
 
 class BatchRunner:
-    """Runs a model over images of any sizes; one result per image (see service/tasks.py) or an ApiError.
+    """Runs a model over images of any sizes; one result per image (see models/outputs.py) or an ApiError.
 
     mean/std normalize each batch on the device; probe_side is the warm-up image's size (the model's input size).
     """
@@ -110,8 +109,8 @@ class BatchRunner:
     ) -> None:
         self.model, self.device, self.precision, self.on_oom = model, device, precision, on_oom
         self.mean, self.std, self.probe_side = mean, std, probe_side
-        self.warmup_output = None  # the model's answer to the probe: tasks.decide reads the output kind from it
-        self.kind: str | None = None  # what the output is (tasks.decide); unset, each batch's output says
+        self.warmup_output = None  # the model's answer to the probe: outputs.decide reads the output kind from it
+        self.kind: str | None = None  # what the output is (outputs.decide); unset, each batch's output says
         self.max_waste = MAX_PAD_WASTE if pad else 1.0
         self.memory = MemoryPlan(bytes_per_pixel=1.0, budget_bytes=2**62)
         self._buffers: dict[str, torch.Tensor] = {}  # the input buffers, reused from batch to batch
@@ -173,8 +172,8 @@ class BatchRunner:
         height = max(image.shape[0] for image in images)
         width = max(image.shape[1] for image in images)
         output = self.forward(self._host_batch(images, height, width))
-        kind = self.kind or tasks.decide(output, "auto")
-        return tasks.per_image(kind, output, [tuple(image.shape[:2]) for image in images], (height, width))
+        kind = self.kind or outputs.decide(output, "auto")
+        return outputs.per_image(kind, output, [tuple(image.shape[:2]) for image in images], (height, width))
 
     def _buffer(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A tensor reused from batch to batch: on a CPU, a fresh 100 MB tensor costs more in page faults than the
@@ -204,7 +203,7 @@ class BatchRunner:
 
     def forward(self, batch: torch.Tensor) -> Any:
         """One model call on a uint8 NxHxWx3 host batch, under inference mode (and autocast for fp16/bf16); the
-        output stays where the model left it (tasks.per_image brings back only what is answered)."""
+        output stays where the model left it (outputs.per_image brings back only what is answered)."""
         autocast = (
             torch.autocast(self.device.type, dtype=DTYPES[self.precision])
             if self.precision in DTYPES

@@ -16,15 +16,16 @@ from typing import Any
 import litserve as ls
 import numpy as np
 import torch
-
-from service import metrics, tasks, worker_memory
-from service.batching import BatchRunner, Result
-from service.config import Settings
-from service.errors import ApiError
-from service.gather import GatheringLoop
-from service.models.loader import ModelLoadError, load_model
-from service.pixel_slots import InSlot, SlotFiles
-from service.state import SharedState
+from imgserve import metrics
+from imgserve.config import Settings
+from imgserve.errors import ApiError
+from imgserve.handoff.slots import InSlot, SlotFiles
+from imgserve.handoff.state import SharedState
+from imgserve.models import outputs
+from imgserve.models.loader import ModelLoadError, load_model
+from imgserve.worker import memory as worker_memory
+from imgserve.worker.batching import BatchRunner, Result
+from imgserve.worker.gather import GatheringLoop
 
 log = logging.getLogger(__name__)
 INLINE_BYTES = 64 * 1024  # results up to this size (class scores) travel in the answer message, larger in the slot
@@ -70,9 +71,9 @@ class ImageAPI(ls.LitAPI):
         ):
             memory = self.runner.measure(settings.gpu_memory_fraction)
             # The output kind, decided from the warm-up output; the labels must name every class.
-            self.runner.kind = tasks.decide(self.runner.warmup_output, settings.task)
-            classes = tasks.class_count(self.runner.kind, self.runner.warmup_output)
-            tasks.check_labels(tasks.read_labels(settings.labels), classes, settings.labels)
+            self.runner.kind = outputs.decide(self.runner.warmup_output, settings.task)
+            classes = outputs.class_count(self.runner.kind, self.runner.warmup_output)
+            outputs.check_labels(outputs.read_labels(settings.labels), classes, settings.labels)
         self.runner.warmup_output = None
         self.state.set_task(self.runner.kind)
         if settings.max_batch_size == "auto":
@@ -119,11 +120,11 @@ class ImageAPI(ls.LitAPI):
         metrics.INFLIGHT.set(len(live))
         started = time.perf_counter()
         try:
-            outputs = self.runner([SlotPixels(self.slots, items[i]) for i in live])
+            answers = self.runner([SlotPixels(self.slots, items[i]) for i in live])
         finally:
             metrics.INFERENCE_DURATION.observe(time.perf_counter() - started)
             metrics.INFLIGHT.set(0)
-        for i, output in zip(live, outputs, strict=True):
+        for i, output in zip(live, answers, strict=True):
             results[i] = self._place(items[i], output)
         return results
 

@@ -12,12 +12,11 @@ import re
 import time
 from collections.abc import Callable
 
+from imgserve.config import Settings
+from imgserve.errors import ApiError
+from imgserve.handoff.state import SharedState
+from imgserve.metrics import REJECTED
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from service.config import Settings
-from service.errors import ApiError
-from service.metrics import REJECTED
-from service.state import SharedState
 
 PREDICT_PATHS = ("/predict", "/v1/images:predict")
 SHED_MESSAGES = {"draining": "the server is shutting down", "queue_full": "the queue is full"}
