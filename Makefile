@@ -37,8 +37,13 @@ $(TOOLS)/prometheus:
 	ln -sf /usr/bin/prometheus $(TOOLS)/prometheus && ln -sf /usr/bin/promtool $(TOOLS)/promtool
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check service tests loadtests charts/imgserve/dashboards
-	$(BIN)/ruff format --check service tests loadtests charts/imgserve/dashboards
+	$(BIN)/ruff check service tests loadtests scripts charts/imgserve/dashboards
+	$(BIN)/ruff format --check service tests loadtests scripts charts/imgserve/dashboards
 
 test: $(VENV)/.installed tools lint
 	$(BIN)/pytest -q
+
+# docs/settings.md is generated from imgserve.config.Settings; tests/test_docs.py fails when it is out of date.
+.PHONY: docs
+docs: $(VENV)/.installed
+	$(BIN)/python scripts/settings_doc.py > docs/settings.md.tmp && mv docs/settings.md.tmp docs/settings.md || { rm -f docs/settings.md.tmp; exit 1; }

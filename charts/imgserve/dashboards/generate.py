@@ -3,7 +3,7 @@
 The JSON is generated, never hand-edited: change a panel here, run
 `python charts/imgserve/dashboards/generate.py`, and commit both files. tests/test_dashboard.py fails when the
 committed JSON differs from a fresh generation; tests/test_prometheus.py runs every query against a real Prometheus.
-Every query uses only the metrics of the contract (docs in README, section "Metrics").
+Every query uses only the metrics of the contract (docs/metrics.md).
 """
 
 from __future__ import annotations
