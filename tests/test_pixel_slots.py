@@ -194,7 +194,8 @@ def test_after_a_flood_a_kill_and_a_sigterm_shared_memory_and_rss_are_back_at_ba
         assert server.slots_freed(), "a slot is still held after every answer came back"
 
         time.sleep(8)  # idle: free slots empty themselves, idle workers give their batch memory back
-        assert server.metric("imgserve_shared_memory_bytes") == 0
+        held = {path.name: path.stat().st_blocks * 512 for path in server.slot_directory.iterdir()}
+        assert server.metric("imgserve_shared_memory_bytes") == 0, f"slot files still holding memory: {held}"
         assert server.tree_rss() < baseline * 1.3, (baseline, server.tree_rss())
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=30) == 0

@@ -28,6 +28,7 @@ from imgserve.frontend.connections import GuardedHttpToolsProtocol
 from imgserve.frontend.routes import Routes
 from imgserve.handoff.answers import AnswerSockets
 from imgserve.handoff.dispatch import Dispatcher
+from imgserve.handoff.requests import RequestSocket
 from imgserve.handoff.slots import create_directory, remove_directory
 from imgserve.handoff.state import SharedState
 from imgserve.models import outputs
@@ -125,8 +126,10 @@ class ImageServer(ls.LitServer):
         return [d if isinstance(d, str) else d[0] for d in self.devices]
 
     def _init_manager(self, num_api_servers: int) -> Any:
-        """LitServe's Manager (its request queue), with answers sent over imgserve's datagram sockets instead."""
+        """LitServe's Manager (worker status, shutdown event), with requests and answers over imgserve's datagram
+        sockets instead of its queues."""
         manager = super()._init_manager(num_api_servers)
+        self.litapi_request_queues[self.lit_api.api_path] = RequestSocket(f"imgserve-{os.getpid()}")
         self._transport = AnswerSockets(f"imgserve-{os.getpid()}", num_api_servers)
         return manager
 

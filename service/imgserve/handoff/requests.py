@@ -1,0 +1,58 @@
+"""Requests from the front ends to the inference workers: one Unix datagram socket that every worker reads.
+
+LitServe 0.2.19 (pinned `<0.3`) keeps its request queue in its Manager process: each request costs a synchronous
+round trip to that process for the front end's `put` and another for the worker's `get`, and the Manager's CPU for
+both. Here the main process binds one datagram socket before it starts the workers, and every worker receives on
+its own inherited copy of it: the kernel hands each request, whole, to exactly one of them. There is no lock a
+killed worker could die holding (a `multiprocessing.Queue` would leave its reader lock taken), and a request a
+killed worker had received but not yet marked taken is queued again by its front end (`dispatch`). It plugs in
+where LitServe keeps the queue (`litapi_request_queues`), with the methods its loops call: `put`, `get`,
+`get_nowait`. Only the small message travels (slot, shape, deadline); the pixels are in the request's slot.
+"""
+
+from __future__ import annotations
+
+import pickle
+import socket
+from queue import Empty
+from typing import Any
+
+BUFFER_BYTES = 1024 * 1024  # asked of the kernel (capped by net.core.rmem_max); the datagram count has its own cap
+MAX_REQUEST_BYTES = 16 * 1024  # a request message is about 300 bytes
+FOREVER_S = 24 * 3600.0
+
+
+class RequestSocket:
+    """The workers' shared request queue. Bound in the main process; a spawned worker inherits the receiving
+    socket (multiprocessing passes its descriptor), a forked front end sends from a socket of its own."""
+
+    def __init__(self, name: str) -> None:
+        self.address = f"\0{name}-requests"  # abstract namespace: no file to clean up
+        self._receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._receiver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER_BYTES)
+        self._receiver.bind(self.address)
+        self._sender: socket.socket | None = None  # one per process, made on first use
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"address": self.address, "_receiver": self._receiver, "_sender": None}
+
+    def put(self, message: Any) -> None:
+        """Queue one request; blocks while every worker is busy and the socket's queue is full."""
+        if self._sender is None:
+            self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sender.sendto(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), self.address)
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """The next request, as `queue.Queue.get`: raises `queue.Empty` when none comes within `timeout`.
+
+        The socket is always in timeout mode (non-blocking underneath, which every worker's copy shares): a worker
+        woken for a datagram another worker took first goes back to waiting instead of blocking in `recv`."""
+        wait = FOREVER_S if timeout is None else timeout
+        self._receiver.settimeout(max(wait, 0.0) if block else 0.0)
+        try:
+            return pickle.loads(self._receiver.recv(MAX_REQUEST_BYTES))
+        except (TimeoutError, BlockingIOError):
+            raise Empty from None
+
+    def get_nowait(self) -> Any:
+        return self.get(block=False)

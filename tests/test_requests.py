@@ -1,0 +1,108 @@
+"""The workers' request socket (handoff/requests.py): each request reaches exactly one worker, whole, and a worker
+killed while it waits leaves nothing behind that stops the others."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import signal
+import time
+from queue import Empty
+from typing import Any
+
+import pytest
+from imgserve.handoff.requests import RequestSocket
+
+SPAWN = mp.get_context("spawn")  # as LitServe starts its inference workers
+
+
+def receive_all(requests: Any, results: Any, idle_s: float, started: Any = None) -> None:
+    """A worker: take requests (1 ms of work each) until none comes for `idle_s`, then report what it took."""
+    if started is not None:
+        started.wait(60)
+    taken = []
+    while True:
+        try:
+            taken.append(requests.get(timeout=idle_s))
+        except Empty:
+            break
+        time.sleep(0.001)
+    results.put((os.getpid(), taken))
+
+
+def wait_forever(requests: Any, ready: Any) -> None:
+    """A worker that is killed while it waits for a request."""
+    ready.set()
+    while True:
+        with contextlib.suppress(Empty):
+            requests.get(timeout=0.05)
+
+
+def collect(results: Any, count: int) -> dict[int, list]:
+    return dict(results.get(timeout=60) for _ in range(count))
+
+
+def test_every_request_reaches_exactly_one_worker() -> None:
+    requests, results, started = RequestSocket(f"imgserve-test-{os.getpid()}-a"), SPAWN.Queue(), SPAWN.Barrier(4)
+    workers = [SPAWN.Process(target=receive_all, args=(requests, results, 2.0, started)) for _ in range(3)]
+    for worker in workers:
+        worker.start()
+    started.wait(60)
+    sent = [(0, f"uid-{i}", time.monotonic(), {"slot": (i, 1), "shape": (8, 8, 3)}) for i in range(400)]
+    for message in sent:
+        requests.put(message)
+    taken = collect(results, len(workers))
+    for worker in workers:
+        worker.join(timeout=30)
+    everything = [message for messages in taken.values() for message in messages]
+    assert sorted(everything, key=lambda m: m[1]) == sorted(sent, key=lambda m: m[1])  # all of them, once each
+    assert all(taken.values())  # shared among the workers, not one taking everything
+
+
+def test_a_worker_killed_while_waiting_does_not_stop_the_others() -> None:
+    """kill -9 of a worker blocked in `get`: the survivor still takes every request (with a multiprocessing.Queue
+    the killed worker would keep the reader lock, and the survivor would wait forever: see the control below)."""
+    requests, results, ready = RequestSocket(f"imgserve-test-{os.getpid()}-b"), SPAWN.Queue(), SPAWN.Event()
+    doomed = SPAWN.Process(target=wait_forever, args=(requests, ready))
+    doomed.start()
+    assert ready.wait(60)
+    time.sleep(0.3)  # well inside its get
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.join(timeout=10)
+    survivor = SPAWN.Process(target=receive_all, args=(requests, results, 2.0))
+    survivor.start()
+    for i in range(50):
+        requests.put(("message", i))
+    (taken,) = collect(results, 1).values()
+    survivor.join(timeout=30)
+    assert taken == [("message", i) for i in range(50)]
+
+
+def test_control_a_multiprocessing_queue_is_stopped_by_a_killed_reader() -> None:
+    """Why the socket: the same kill leaves a multiprocessing.Queue unreadable for everyone else."""
+    requests, ready = SPAWN.Queue(), SPAWN.Event()
+    doomed = SPAWN.Process(target=_wait_on_queue, args=(requests, ready))
+    doomed.start()
+    assert ready.wait(60)
+    time.sleep(0.3)
+    os.kill(doomed.pid, signal.SIGKILL)
+    doomed.join(timeout=10)
+    requests.put("message")
+    with pytest.raises(Empty):
+        requests.get(timeout=1.0)
+
+
+def _wait_on_queue(requests: Any, ready: Any) -> None:
+    ready.set()
+    requests.get()
+
+
+def test_get_waits_at_most_its_timeout() -> None:
+    requests = RequestSocket(f"imgserve-test-{os.getpid()}-c")
+    with pytest.raises(Empty):
+        requests.get_nowait()
+    with pytest.raises(Empty):
+        requests.get(timeout=0.2)
+    requests.put({"slot": (1, 2)})
+    assert requests.get(timeout=5) == {"slot": (1, 2)}
