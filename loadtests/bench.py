@@ -33,7 +33,7 @@ CONCURRENCIES = (1, 3, 20, 64)
 OVERLOAD_FACTOR = 10
 BASELINE, PLAIN, IMGSERVE = "FastAPI baseline", "plain LitServe", "imgserve"
 STORM = "imgserve, retrying at once"  # the same server under the overload, with clients that resend on 503 at once
-GOODPUT_FACTOR = 0.6
+GOODPUT_FACTOR = 0.9  # issue 22: a retry storm keeps 0.9x of the 64-user throughput
 
 
 @dataclass(frozen=True)
