@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loadtests import bench, capacity, gpu_check, overhead
+from loadtests import bench, capacity, gpu_check, latency, overhead
 from loadtests.closed_loop import LoadResult, Outcome, run_closed_loop
 from loadtests.images import check_answer, sample_images
 from loadtests.inprocess import Limit
@@ -134,6 +134,20 @@ def test_overhead_targets_sit_on_their_thresholds(rps_1024: int, rps_128: int, p
     report = overhead.render(run, "cmd", "host")
     assert report.count("**met**" if met[0] else "**missed**") == 3
     assert "| 1024x1024 | 16 | 40.0 | 100.0 | " in report and "| 128x128 | 64 | 900.0 | 1000.0 | " in report
+
+
+@pytest.mark.parametrize(("p50_ms", "rps", "met"), [(11.5, 450.0, True), (11.6, 449.0, False)])
+def test_latency_targets_sit_on_their_thresholds(p50_ms: float, rps: float, met: bool) -> None:
+    """Issue 22's c=1 targets: p50 <= 1.15x (denoiser) or 1.3x (near-free 1024) of one image, >= 450/s at 128."""
+    single = 10.0
+    rows = [
+        latency.Row(latency.CASES[0], single, _result(1, [p50_ms / 1000] * 5)),
+        latency.Row(latency.CASES[1], 1.0, _result(1, [0.001] * int(rps))),
+        latency.Row(latency.CASES[2], single, _result(1, [(p50_ms + 1.5) / 1000] * 5)),
+    ]
+    report = latency.render(rows, "cmd", "host")
+    assert report.count("**met**" if met else "**missed**") == 3, report
+    assert f"| denoiser | 128x128 | 10.00 | {p50_ms:.2f} |" in report
 
 
 def test_gpu_check_exit_status_ranks_error_over_fail_over_pass() -> None:

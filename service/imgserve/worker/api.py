@@ -17,7 +17,7 @@ import litserve as ls
 import numpy as np
 import torch
 from imgserve import metrics
-from imgserve.config import Settings, usable_cpus
+from imgserve.config import Settings
 from imgserve.errors import ApiError
 from imgserve.handoff.slots import InSlot, SlotFiles
 from imgserve.handoff.state import SharedState
@@ -60,8 +60,6 @@ class ImageAPI(ls.LitAPI):
         self.slots = SlotFiles(self.slot_directory)
         torch_device = torch.device(device)
         torch.set_num_threads(self.torch_threads)  # the worker's share of the cores: no oversubscription
-        # A lone request on an idle CPU pod may use the cores the other workers leave idle (see `_threads_for`).
-        self.lone_request_threads = usable_cpus() if torch_device.type == "cpu" else self.torch_threads
         worker_memory.hold_freed_memory()
         with self._reported("cannot load the model"):
             model = load_model(settings.model, settings.model_factory, settings.trust_pickle)
@@ -120,7 +118,6 @@ class ImageAPI(ls.LitAPI):
             metrics.QUEUE_WAIT.observe(now - items[i]["admitted"])
         metrics.BATCH_SIZE.observe(len(live))
         metrics.INFLIGHT.set(len(live))
-        torch.set_num_threads(self._threads_for(len(live)))
         started = time.perf_counter()
         try:
             answers = self.runner([SlotPixels(self.slots, items[i]) for i in live])
@@ -130,12 +127,6 @@ class ImageAPI(ls.LitAPI):
         for i, output in zip(live, answers, strict=True):
             results[i] = self._place(items[i], output)
         return results
-
-    def _threads_for(self, images: int) -> int:
-        """Every core for a one-image batch while it is all the pod has admitted (one request in flight: the other
-        workers are idle), else the worker's share. Switching costs well under a microsecond."""
-        lone = images == 1 and self.state.queue_depth <= 1
-        return self.lone_request_threads if lone else self.torch_threads
 
     def _place(self, request: dict[str, Any], output: Result) -> Result | InSlot:
         """A large result goes into the request's slot (unless its front end gave the slot to another request)."""
