@@ -25,6 +25,7 @@ from imgserve.errors import install_handlers
 from imgserve.frontend.admission import Admission, AdmissionMiddleware, queue_bound
 from imgserve.frontend.auth import ApiKeyMiddleware, read_keys
 from imgserve.frontend.connections import GuardedHttpToolsProtocol
+from imgserve.frontend.inference import Inference
 from imgserve.frontend.routes import Routes
 from imgserve.handoff.answers import AnswerSockets
 from imgserve.handoff.dispatch import Dispatcher
@@ -94,10 +95,11 @@ class ImageServer(ls.LitServer):
         """Called by LitServer.__init__; our routes replace LitServe's /health and /info."""
 
     def _register_api_endpoints(self, lit_api: ls.LitAPI, request_type: Any, response_type: Any) -> None:
+        self.inference = Inference(self.settings, self.state, self.dispatcher, self.admission)
         routes = Routes(
             self.settings,
             self.state,
-            self.dispatcher,
+            self.inference,
             lambda: metrics.exposition(self.pod_collector),
             self.describe,
             lambda: dict(self.workers_setup_status),

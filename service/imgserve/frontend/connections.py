@@ -26,7 +26,7 @@ import httptools
 from imgserve import metrics
 from imgserve.config import Settings
 from imgserve.errors import ApiError
-from imgserve.frontend.admission import PREDICT_PATHS, SHED_MESSAGES, Admission
+from imgserve.frontend.admission import SHED_MESSAGES, Admission
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 LINGER_S = 2.0  # how long a refused client's late bytes are read and dropped before the socket closes
@@ -90,7 +90,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             errors.append(ApiError(503, reason, SHED_MESSAGES[reason], retry))
         refusals = {error.code: (error, raw_response(error)) for error in errors}
         refusals |= {f"{e.code}+keep-alive": (e, raw_response(e, close=False)) for e in errors if e.status == 503}
-        shed_counts = {path.encode(): metrics.REQUESTS.labels(path, "503") for path in PREDICT_PATHS}
+        shed_counts = {path.encode(): metrics.REQUESTS.labels(path, "503") for path in metrics.PREDICT_PATHS}
         attributes = {"settings": settings, "admission": admission, "refusals": refusals, "shed_counts": shed_counts}
         return type(cls.__name__, (cls,), attributes)
 
