@@ -27,6 +27,8 @@ from imgserve.frontend.auth import ApiKeyMiddleware, read_keys
 from imgserve.frontend.connections import GuardedHttpToolsProtocol
 from imgserve.frontend.inference import Inference
 from imgserve.frontend.routes import Routes
+from imgserve.frontend.v2.http import V2Routes
+from imgserve.frontend.v2.model import ServedModel
 from imgserve.handoff.answers import AnswerSockets
 from imgserve.handoff.dispatch import Dispatcher
 from imgserve.handoff.slots import create_directory, remove_directory
@@ -104,8 +106,10 @@ class ImageServer(ls.LitServer):
             self.describe,
             lambda: dict(self.workers_setup_status),
         )
-        for path in ("/predict", "/v1/images:predict"):
+        for path in metrics.PREDICT_PATHS:
             self.app.router.routes.append(Route(path, routes.predict, methods=["POST"]))
+        self.model = ServedModel(self.settings, self.state, self.inference, routes.renderer, routes.not_ready_reason)
+        self.app.router.routes.extend(V2Routes(self.model, self.settings.max_body_bytes).routes())
         for path, endpoint in (
             ("/health/live", routes.live),
             ("/health/ready", routes.ready),
