@@ -27,6 +27,7 @@ from imgserve.frontend.auth import ApiKeyMiddleware, read_keys
 from imgserve.frontend.connections import GuardedHttpToolsProtocol
 from imgserve.frontend.inference import Inference
 from imgserve.frontend.routes import Routes
+from imgserve.frontend.v2 import grpc_service
 from imgserve.frontend.v2.http import V2Routes
 from imgserve.frontend.v2.model import ServedModel
 from imgserve.handoff.answers import AnswerSockets
@@ -108,8 +109,9 @@ class ImageServer(ls.LitServer):
         )
         for path in metrics.PREDICT_PATHS:
             self.app.router.routes.append(Route(path, routes.predict, methods=["POST"]))
-        self.model = ServedModel(self.settings, self.state, self.inference, routes.renderer, routes.not_ready_reason)
-        self.app.router.routes.extend(V2Routes(self.model, self.settings.max_body_bytes).routes())
+        model = ServedModel(self.settings, self.state, self.inference, routes.renderer, routes.not_ready_reason)
+        self.app.router.routes.extend(V2Routes(model, self.settings.max_body_bytes).routes())
+        self.grpc_servicer = grpc_service.Servicer(model, self.settings)
         for path, endpoint in (
             ("/health/live", routes.live),
             ("/health/ready", routes.ready),
@@ -138,10 +140,18 @@ class ImageServer(ls.LitServer):
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
-        """Each front end's start: its dispatcher threads instead of LitServe's thread hop per answer."""
+        """Each front end's start: its dispatcher threads instead of LitServe's thread hop per answer; the first
+        also serves gRPC (--grpc-port) on its event loop, until it stops."""
         front_end = app.response_queue_id
         self.dispatcher.start(front_end, self.request_queue, self._transport.receiver(front_end))
-        yield
+        if front_end != 0 or not self.settings.grpc_port:
+            yield
+            return
+        grpc_server = await grpc_service.start(self.grpc_servicer, self.settings)
+        try:
+            yield
+        finally:
+            await grpc_server.stop(grpc_service.GRACE_S)
 
     def restart_worker(self, index: int) -> BaseProcess:
         return self.launch_single_inference_worker(self.lit_api, index)

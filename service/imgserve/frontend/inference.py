@@ -45,6 +45,9 @@ class Inference:
         in the thread pool), in order; an ApiError for the first failure of any of them."""
         if not images:
             raise ApiError(400, "no_images", "the request carries no image")
+        refusal = self.admission.refusal()  # draining, or a full queue
+        if refusal is not None:
+            raise refusal
         self.admission.admit(len(images))
         try:
             async with contextlib.AsyncExitStack() as stack:

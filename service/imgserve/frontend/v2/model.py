@@ -1,6 +1,6 @@
 """The served model as the Open Inference Protocol sees it: its tensors, metadata, configuration and inference.
 
-Both wire formats (HTTP in http.py, gRPC in grpc.py) convert to and from tensors.InferRequest / Tensor and call
+Both wire formats (HTTP in http.py, gRPC in grpc_service.py) convert to and from tensors.InferRequest / Tensor and call
 `ServedModel.infer`, which hands the images to the one inference core (frontend/inference.py).
 
 Inputs (send one of them): `image` BYTES [N, 1], each element an encoded image (JPEG, PNG, WebP, BMP, GIF, TIFF;

@@ -168,7 +168,7 @@ def from_binary(name: str, datatype: str, shape: list[int], raw: bytes) -> Tenso
     """A tensor from its binary form."""
     count = elements(shape)
     if datatype == "BYTES":
-        return Tensor(name, datatype, shape, _check_count(name, shape, unpack_bytes(raw, name)))
+        return from_elements(name, shape, unpack_bytes(raw, name))
     dtype = _dtype(name, datatype)
     if len(raw) != count * dtype.itemsize:
         raise bad(f"input {name!r}: {len(raw)} bytes of data for shape {shape} of {datatype}")
@@ -180,23 +180,31 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any) -> Tensor:
     if data is None:
         raise bad(f"input {name!r} has neither data nor parameters.binary_data_size")
     flat = _flatten(data if isinstance(data, list) else [data])
-    if datatype == "BYTES":
-        if not all(isinstance(item, str) for item in flat):
-            raise bad(f"input {name!r}: BYTES data must be base64 strings")
-        try:
-            values = [base64.b64decode(item, validate=True) for item in flat]
-        except binascii.Error:
-            raise bad(
-                f"input {name!r}: BYTES data must be base64 strings (an image cannot travel as JSON text)"
-            ) from None
-        return Tensor(name, datatype, shape, _check_count(name, shape, values))
+    if datatype != "BYTES":
+        if datatype == "FP16":
+            raise bad(f"input {name!r}: FP16 cannot travel as JSON; send it as binary data")
+        return from_numbers(name, datatype, shape, flat)
+    if not all(isinstance(item, str) for item in flat):
+        raise bad(f"input {name!r}: BYTES data must be base64 strings")
+    try:
+        values = [base64.b64decode(item, validate=True) for item in flat]
+    except binascii.Error:
+        raise bad(f"input {name!r}: BYTES data must be base64 strings (an image cannot travel as JSON text)") from None
+    return from_elements(name, shape, values)
+
+
+def from_elements(name: str, shape: list[int], values: list[bytes]) -> Tensor:
+    """A BYTES tensor from its elements."""
+    return Tensor(name, "BYTES", shape, _check_count(name, shape, values))
+
+
+def from_numbers(name: str, datatype: str, shape: list[int], values: list) -> Tensor:
+    """A numeric tensor from a flat list of numbers, each checked to fit the datatype."""
     dtype = _dtype(name, datatype)
-    if datatype == "FP16":
-        raise bad(f"input {name!r}: FP16 cannot travel as JSON; send it as binary data")
-    if not all(isinstance(item, int | float) for item in flat):
+    if not all(isinstance(item, int | float) for item in values):
         raise bad(f"input {name!r}: {datatype} data must be numbers")
     try:
-        array = np.array(flat, dtype=np.float64 if dtype.kind == "f" else np.int64)
+        array = np.array(values, dtype=np.float64 if dtype.kind == "f" else np.int64)
     except OverflowError:
         raise bad(f"input {name!r}: a value is out of range for {datatype}") from None
     if dtype.kind in "ui" and array.size and (array.min() < np.iinfo(dtype).min or array.max() > np.iinfo(dtype).max):
