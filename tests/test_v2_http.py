@@ -8,13 +8,15 @@ import gzip
 import io
 import json
 import struct
+import subprocess
+import sys
 
 import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
 from PIL import Image
-from serving import Server, image_bytes
+from serving import TESTS, Server, image_bytes, running_server
 from tritonclient.utils import InferenceServerException
 
 MODEL = "denoiser"
@@ -222,8 +224,6 @@ def test_v2_routes_have_their_own_metric_labels(server: Server, client: triton.I
 
 
 def test_classifier_scores_and_the_classification_extension(tmp_path, toy_model) -> None:
-    from serving import running_server
-
     labels = tmp_path / "labels.txt"
     labels.write_text("cat\ndog\nfish\nbird\n")
     with running_server(tmp_path, labels=str(labels), **toy_model("TinyClassifier")) as server:
@@ -245,11 +245,6 @@ def test_classifier_scores_and_the_classification_extension(tmp_path, toy_model)
 
 def test_kserves_rest_client(server: Server, tmp_path) -> None:
     """KServe's InferenceRESTClient reads the health bodies, infers over binary and JSON, and shows our message."""
-    import subprocess
-    import sys
-
-    from serving import TESTS
-
     path = tmp_path / "photo.jpg"
     path.write_bytes(image_bytes(40, 30, "JPEG"))
     run = subprocess.run(
@@ -264,3 +259,28 @@ def test_kserves_rest_client(server: Server, tmp_path) -> None:
     assert found["binary"] == {"id": "k1", "size": [40, 30]}
     assert found["json"] == {"size": [40, 30]}
     assert "unknown model 'no-such-model'" in found["error"] and "404" in found["error"]
+
+
+def test_segmentation_answers_a_mask_per_image(tmp_path, toy_model) -> None:
+    with running_server(tmp_path, task="segment", **toy_model("TinySegmenter")) as server:
+        client = triton.InferenceServerClient(server.address)
+        pixels = np.zeros((2, 6, 9, 3), dtype=np.uint8)
+        pixels[0, ..., 1] = 255  # all green: class 1
+        pixels[1, ..., 2] = 255  # all blue: class 2
+        tensor = triton.InferInput("pixels", list(pixels.shape), "UINT8")
+        tensor.set_data_from_numpy(pixels)
+        mask = client.infer("TinySegmenter", [tensor]).as_numpy("mask")
+        assert mask.shape == (2, 6, 9) and mask.dtype == np.uint8
+        assert (mask[0] == 1).all() and (mask[1] == 2).all()
+
+
+def test_detections_come_with_a_count_per_image(tmp_path, toy_model) -> None:
+    with running_server(tmp_path, **toy_model("TinyDetector")) as server:
+        client = triton.InferenceServerClient(server.address)
+        images = images_input(image_bytes(40, 20), image_bytes(20, 40))
+        result = client.infer("TinyDetector", [images])
+        assert result.as_numpy("count").tolist() == [[1], [1]]
+        assert result.as_numpy("boxes").tolist() == [[[0, 0, 20, 10]], [[0, 0, 10, 20]]]
+        assert result.as_numpy("labels").tolist() == [[1], [1]]
+        every = client.infer("TinyDetector", [images], parameters={"score_threshold": 0.05})
+        assert every.as_numpy("count").tolist() == [[2], [2]] and every.as_numpy("scores").shape == (2, 2)
