@@ -129,22 +129,28 @@ def test_grpc_calls_have_their_own_metric_labels(server: Server, client: triton.
     assert server.metric("imgserve_request_duration_seconds_count", route="grpc/ModelInfer") >= 1
 
 
-def test_api_keys_guard_grpc_and_v2_infer_but_not_health(tmp_path) -> None:
+def test_api_keys_model_name_and_two_front_ends(tmp_path) -> None:
+    """With two HTTP front ends the first serves gRPC; --model-name names the model on both protocols; API keys
+    guard gRPC ModelInfer and v2 infer (Bearer), not health or metadata."""
     import httpx
 
     port = free_port()
-    with running_server(tmp_path, grpc_port=port, api_key="k1") as server:
+    with running_server(tmp_path, grpc_port=port, api_key="k1", model_name="restorer", api_servers=2) as server:
         client = triton.InferenceServerClient(f"127.0.0.1:{port}")
-        assert client.is_server_ready() and client.get_model_metadata(MODEL).name == MODEL
+        assert client.is_server_ready() and client.get_model_metadata("restorer").name == "restorer"
+        with pytest.raises(InferenceServerException, match="NOT_FOUND"):
+            client.get_model_metadata(MODEL)
+        image = images_input(image_bytes(8, 8))
         with pytest.raises(InferenceServerException, match="UNAUTHENTICATED"):
-            client.infer(MODEL, [images_input(image_bytes(8, 8))])
+            client.infer("restorer", [image])
         with pytest.raises(InferenceServerException, match="UNAUTHENTICATED"):
-            client.infer(MODEL, [images_input(image_bytes(8, 8))], headers={"authorization": "Bearer wrong"})
-        answer = client.infer(MODEL, [images_input(image_bytes(8, 8))], headers={"authorization": "Bearer k1"})
+            client.infer("restorer", [image], headers={"authorization": "Bearer wrong"})
+        answer = client.infer("restorer", [image], headers={"authorization": "Bearer k1"})
         assert answer.as_numpy("output_image").shape == (1, 1)
-        infer = f"{server.url}/v2/models/{MODEL}/infer"
+        infer = f"{server.url}/v2/models/restorer/infer"
         refused = httpx.post(infer, json={"inputs": []})
         assert refused.status_code == 401 and list(refused.json()) == ["error"]
         assert refused.headers["www-authenticate"] == "Bearer"
         assert httpx.post(infer, json={"inputs": []}, headers={"Authorization": "Bearer k1"}).status_code == 400
         assert httpx.get(f"{server.url}/v2/health/ready").status_code == 200
+        assert httpx.get(f"{server.url}/v2/models/{MODEL}").status_code == 404
