@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 from imgserve.errors import ApiError
@@ -70,7 +71,7 @@ class V2Routes:
         ready = self.model.not_ready_reason() is None
         return JSONResponse({"name": self.model.name, "ready": ready}, status_code=200 if ready else 503)
 
-    async def _answer(self, request: Request, answer: Any) -> Response:
+    async def _answer(self, request: Request, answer: Callable[[], Response]) -> Response:
         try:
             self.model.check(request.path_params["model"], request.path_params.get("version"))
             return answer()
