@@ -28,9 +28,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def imgserve_command(port: int) -> list[str]:
-    """`imgserve serve` on loopback; settings come from IMGSERVE_* in the environment."""
-    return [sys.executable, "-m", "imgserve", "serve", "--host", LOOPBACK, "--port", str(port)]
+def imgserve_command(port: int, grpc_port: int = 0) -> list[str]:
+    """`imgserve serve` on loopback (gRPC off unless a port is given); other settings come from IMGSERVE_*."""
+    command = [sys.executable, "-m", "imgserve", "serve", "--host", LOOPBACK, "--port", str(port)]
+    return [*command, "--grpc-port", str(grpc_port)]
 
 
 @dataclass

@@ -9,6 +9,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -24,8 +25,16 @@ REPO = TESTS.parent
 SOURCE = REPO / "service"  # this worktree's imgserve, whatever is installed
 
 
+@dataclass
 class Server(RunningServer):
     """A running imgserve: its URL, process and log, and what the tests read from it."""
+
+    grpc_port: int = 0
+
+    @property
+    def address(self) -> str:
+        """host:port of the HTTP server, as tritonclient and kserve take it."""
+        return self.url.removeprefix("http://")
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -78,17 +87,19 @@ class Server(RunningServer):
 
 
 def start_server(settings: dict[str, object], log_dir: Path) -> Server:
-    """Launch `imgserve serve` with IMGSERVE_* settings; returns once the process is started (not ready)."""
-    port = free_port()
+    """Launch `imgserve serve` with IMGSERVE_* settings (gRPC only when `grpc_port` is given); returns once the
+    process is started (not ready)."""
+    port, settings = free_port(), dict(settings)
+    grpc_port = int(settings.pop("grpc_port", 0))
     env = {k: v for k, v in os.environ.items() if not k.startswith("IMGSERVE_") and k != "PROMETHEUS_MULTIPROC_DIR"}
     env.update({f"IMGSERVE_{key.upper()}": str(value) for key, value in settings.items()})
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(SOURCE), str(REPO), env.get("PYTHONPATH", "")])
     log_path = log_dir / f"imgserve-{port}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            imgserve_command(port), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            imgserve_command(port, grpc_port), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-    return Server(f"http://127.0.0.1:{port}", process, log_path)
+    return Server(f"http://127.0.0.1:{port}", process, log_path, grpc_port)
 
 
 def wait_ready(server: Server, timeout: float = 90) -> None:

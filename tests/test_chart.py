@@ -26,8 +26,12 @@ RELEASE = "imgserve"
 NAMESPACE = "imgserve-test"
 K8S_VERSION = "1.35.0"
 KEDA_CRD = TESTS / "data" / "keda.sh_scaledobjects.yaml"
-CRD_KINDS = {"ScaledObject", "ServiceMonitor", "PrometheusRule"}
-VALID = ["defaults", "hpa", "keda", "keda-dcgm", "cpu-only", "scale-to-zero", "auth"]
+KSERVE_CRDS = {  # kind -> KServe's CRD (trimmed, tests/data) and the version the chart renders
+    "ServingRuntime": (TESTS / "data" / "serving.kserve.io_servingruntimes.yaml", "v1alpha1"),
+    "InferenceService": (TESTS / "data" / "serving.kserve.io_inferenceservices.yaml", "v1beta1"),
+}
+CRD_KINDS = {"ScaledObject", "ServiceMonitor", "PrometheusRule", *KSERVE_CRDS}
+VALID = ["defaults", "hpa", "keda", "keda-dcgm", "cpu-only", "scale-to-zero", "auth", "kserve", "grpc-off"]
 AUTOSCALED = ["hpa", "keda", "keda-dcgm", "scale-to-zero"]
 POD_SELECTOR = f'namespace="{NAMESPACE}",pod=~"{RELEASE}-.*"'
 
@@ -115,11 +119,16 @@ def strict_schema(schema: Any) -> Any:
 
 
 @functools.cache
+def crd_validator(path: Path, version: str) -> jsonschema.Draft7Validator:
+    """Strict validator for one version of a CRD in tests/data."""
+    crd = yaml.safe_load(path.read_text())
+    (found,) = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    return jsonschema.Draft7Validator(strict_schema(found["schema"]["openAPIV3Schema"]))
+
+
 def keda_validator() -> jsonschema.Draft7Validator:
     """Validator for ScaledObjects from KEDA's own CRD (tests/data, KEDA v2.20.2)."""
-    crd = yaml.safe_load(KEDA_CRD.read_text())
-    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1alpha1"]
-    return jsonschema.Draft7Validator(strict_schema(version["schema"]["openAPIV3Schema"]))
+    return crd_validator(KEDA_CRD, "v1alpha1")
 
 
 @pytest.mark.parametrize("name", VALID)
@@ -140,6 +149,9 @@ def test_objects_match_kubernetes_and_keda_schemas(name: str) -> None:
         assert doc["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE, where
         if doc["kind"] == "ScaledObject":
             errors = [e.message for e in keda_validator().iter_errors(doc)]
+            assert not errors, f"{where}: {errors}"
+        elif doc["kind"] in KSERVE_CRDS:
+            errors = [e.message for e in crd_validator(*KSERVE_CRDS[doc["kind"]]).iter_errors(doc)]
             assert not errors, f"{where}: {errors}"
         elif doc["kind"] not in CRD_KINDS:
             try:
@@ -407,6 +419,7 @@ def test_network_policy_admits_helm_test_when_restricted() -> None:
     [
         ("invalid-both-autoscalers", "/autoscaling/keda/enabled", "mutually exclusive"),
         ("invalid-scale-to-zero-without-wake", "/autoscaling/keda/wakeQuery", "needs autoscaling.keda.wakeQuery"),
+        ("invalid-isvc-without-runtime", "/kserve/servingRuntime", "needs kserve.servingRuntime.enabled"),
     ],
 )
 def test_refused_values(name: str, schema_error: str, template_error: str) -> None:
@@ -522,3 +535,54 @@ def test_settings_take_auto_front_ends_and_the_real_model_settings() -> None:
     for bad in ("settings.api_servers=0", "settings.task=caption"):
         refused = helm(*base, "--set", bad, check=False)
         assert refused.returncode != 0 and bad.split("=")[0].split(".")[1] in refused.stderr, refused.stderr
+
+
+def test_kserve_runtime_and_inference_service() -> None:
+    """The ServingRuntime speaks v2 and grpc-v2 on KServe's ports under the InferenceService's name; the example
+    InferenceService picks it and passes the downloaded model; its container is a valid Kubernetes container."""
+    runtime, service = one("kserve", "ServingRuntime"), one("kserve", "InferenceService")
+    assert runtime["spec"]["protocolVersions"] == ["v2", "grpc-v2"]
+    formats = runtime["spec"]["supportedModelFormats"]
+    assert {f["name"] for f in formats} == {"imgserve", "pytorch", "safetensors"}
+    assert [f["name"] for f in formats if f.get("autoSelect")] == ["imgserve"]
+    (container,) = runtime["spec"]["containers"]
+    assert container["name"] == "kserve-container"
+    assert {"--port=8080", "--grpc-port=9000", "--model-name={{.Name}}"} <= set(container["args"])
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "runtime"},
+        "spec": {"containers": [container], "volumes": runtime["spec"]["volumes"]},
+    }
+    kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+    model = service["spec"]["predictor"]["model"]
+    assert model["runtime"] == runtime["metadata"]["name"] and model["modelFormat"] == {"name": "imgserve"}
+    assert model["protocolVersion"] == "v2" and model["storageUri"] == "gs://models/restorer"
+    assert model["args"] == ["--model=/mnt/models/restorer.safetensors"]
+    assert env_of(server_container("kserve"))["IMGSERVE_MODEL_NAME"] == "restorer"
+
+
+def test_kserve_schemas_reject_misspelled_fields() -> None:
+    """The trimmed KServe CRDs still catch a wrong field where the chart writes one."""
+    runtime, service = one("kserve", "ServingRuntime"), one("kserve", "InferenceService")
+    runtime["spec"]["protocolVersion"] = runtime["spec"].pop("protocolVersions")
+    service["spec"]["predictor"]["model"]["modelformat"] = service["spec"]["predictor"]["model"].pop("modelFormat")
+    for doc, field in ((runtime, "protocolVersion"), (service, "modelformat")):
+        errors = [e.message for e in crd_validator(*KSERVE_CRDS[doc["kind"]]).iter_errors(doc)]
+        assert any(field in message for message in errors), errors
+
+
+@pytest.mark.parametrize(("name", "port"), [("defaults", 8001), ("grpc-off", 0)])
+def test_grpc_port_on_the_service_only_when_on(name: str, port: int) -> None:
+    container = server_container(name)
+    assert env_of(container)["IMGSERVE_GRPC_PORT"] == str(port)
+    service_ports = {p["name"]: p for p in one(name, "Service")["spec"]["ports"]}
+    container_ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    policy_ports = [p["port"] for p in one(name, "NetworkPolicy")["spec"]["ingress"][0]["ports"]]
+    if port:
+        assert service_ports["grpc"]["appProtocol"] == "kubernetes.io/h2c"
+        assert service_ports["grpc"]["targetPort"] == "grpc" and container_ports["grpc"] == port
+        assert "grpc" in policy_ports
+    else:
+        assert "grpc" not in service_ports and "grpc" not in container_ports and "grpc" not in policy_ports
+    assert not objects(name, "ServingRuntime") and not objects(name, "InferenceService")

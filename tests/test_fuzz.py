@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import base64
+import gzip
 import io
 import json
 import random
+import struct
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -118,4 +121,72 @@ def test_mutated_images_get_a_clear_answer_and_the_server_stays_healthy(server: 
     assert statuses[200] and statuses[400], statuses
     assert httpx.get(f"{server.url}/health/ready").status_code == 200
     assert server.metric("imgserve_requests_total", route="/predict", code="500") == 0
+    assert "Traceback" not in server.log()
+
+
+V2_ALLOWED = {200, 400, 413, 415, 422}
+
+
+def v2_seeds() -> list[tuple[bytes, dict[str, str]]]:
+    """Valid Open Inference Protocol bodies: JSON with base64, binary BYTES, binary pixels, gzip, raw binary."""
+    images = seeds()
+    jpeg, png = images["jpeg"], images["png"]
+    pixels = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"))
+    found = []
+    as_json = {
+        "inputs": [
+            {
+                "name": "image",
+                "datatype": "BYTES",
+                "shape": [2, 1],
+                "data": [base64.b64encode(jpeg).decode(), base64.b64encode(png).decode()],
+            }
+        ],
+        "outputs": [{"name": "output_image"}],
+        "parameters": {"format": "png"},
+    }
+    found.append((json.dumps(as_json).encode(), {}))
+    for name, datatype, shape, blob in (
+        ("image", "BYTES", [1, 1], struct.pack("<I", len(jpeg)) + jpeg),
+        ("pixels", "UINT8", [1, *pixels.shape], pixels.tobytes()),
+    ):
+        header = json.dumps(
+            {
+                "inputs": [
+                    {"name": name, "datatype": datatype, "shape": shape, "parameters": {"binary_data_size": len(blob)}}
+                ],
+                "parameters": {"binary_data_output": True},
+            }
+        ).encode()
+        found.append((header + blob, {"Inference-Header-Content-Length": str(len(header))}))
+    found.append((gzip.compress(found[0][0]), {"Content-Encoding": "gzip"}))
+    found.append((jpeg, {"Inference-Header-Content-Length": "0"}))
+    return found
+
+
+def test_mutated_v2_bodies_get_the_protocols_error_and_the_server_stays_healthy(server: Server) -> None:
+    """The v2 body parser (JSON header, binary tensors, gzip, raw) fuzzed: 200 or a 4xx `{"error": "..."}`."""
+    rng = random.Random(SEED + 1)
+    originals = v2_seeds()
+    end = time.monotonic() + BUDGET_S / 2
+    statuses: Counter[int] = Counter()
+    wrong: list[str] = []
+    with httpx.Client(timeout=60) as client:
+        for index in range(CASES // 2):
+            if time.monotonic() > end:
+                break
+            body, headers = originals[index % len(originals)]
+            for _ in range(rng.choice((1, 1, 2))):
+                body = mutate(body, rng)
+            response = client.post(f"{server.url}/v2/models/denoiser/infer", content=body, headers=headers)
+            statuses[response.status_code] += 1
+            if response.status_code not in V2_ALLOWED:
+                wrong.append(f"{index}: {response.status_code} {response.text[:200]}")
+            elif response.status_code != 200:
+                error = json.loads(response.content)
+                assert list(error) == ["error"] and isinstance(error["error"], str), error
+    assert wrong == [], wrong[:10]
+    assert sum(statuses.values()) >= 300 and statuses[400] and statuses[200], statuses
+    assert httpx.get(f"{server.url}/v2/health/ready").json() == {"ready": True}
+    assert server.metric("imgserve_requests_total", route="/v2/infer", code="500") == 0
     assert "Traceback" not in server.log()

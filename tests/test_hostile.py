@@ -3,7 +3,9 @@ excess connections, early answers on keep-alive connections, disconnects mid-bod
 
 from __future__ import annotations
 
+import gzip
 import itertools
+import json
 import select
 import socket
 import time
@@ -321,3 +323,38 @@ def test_a_full_pod_sheds_at_the_headers_and_keeps_the_connection(tmp_path, toy_
         assert held.result() == 200
         assert server.metric("imgserve_requests_total", route="/predict", code="503") == 5
         assert server.metric("imgserve_rejected_total", reason="queue_full") == 5
+
+
+V2_INFER = "/v2/models/denoiser/infer"
+
+
+def v2_error(answer: Answer) -> str:
+    """The Open Inference Protocol's error message (fails the test if the body is not its envelope)."""
+    assert answer.headers["content-type"] == "application/json", answer.headers
+    body = json.loads(answer.body)
+    assert list(body) == ["error"] and isinstance(body["error"], str), body
+    return body["error"]
+
+
+def test_a_stalled_v2_body_is_cut_with_the_protocols_error(server: Server) -> None:
+    with connect(server) as sock:
+        sock.sendall(request_head(V2_INFER, length=10_000) + b'{"inputs": [')
+        answer = read_answer(sock, timeout=BODY_TIMEOUT_S * 5)
+        assert answer.status == 408 and ("no upload bytes" in v2_error(answer) or "slower" in v2_error(answer))
+        assert closed_by_server(sock, 5)
+
+
+def test_a_v2_body_over_the_limit_is_413_before_it_is_read(server: Server) -> None:
+    with connect(server) as sock:
+        sock.sendall(request_head(V2_INFER, length=50_000_000))
+        answer = read_answer(sock)
+        assert answer.status == 413 and "over the limit" in v2_error(answer)
+
+
+def test_a_gzip_bomb_is_413_and_costs_no_more_than_the_limit(server: Server) -> None:
+    bomb = gzip.compress(b"\0" * 200_000_000, compresslevel=9)  # 200 MB inflated, about 200 KB sent
+    rss_before = sum(p.memory_info().rss for p in server.tree())
+    response = httpx.post(f"{server.url}{V2_INFER}", content=bomb, headers={"Content-Encoding": "gzip"}, timeout=60)
+    assert response.status_code == 413 and list(response.json()) == ["error"]
+    assert sum(p.memory_info().rss for p in server.tree()) - rss_before < 64 * 2**20
+    assert good_request(server) == 200

@@ -67,3 +67,17 @@ class TinyClassifier(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(x.mean(dim=(2, 3)))
+
+
+class TinySegmenter(_Toy):
+    """Three classes, each pixel's brightest channel: a class mask (serve with task segment)."""
+
+
+class TinyDetector(_Toy):
+    """Per image: a box over its top-left quarter (class 1, score 0.9) and a faint one (class 2, score 0.1)."""
+
+    def forward(self, x: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+        height, width = x.shape[2:]
+        boxes = torch.tensor([[0.0, 0.0, width / 2, height / 2], [0.0, 0.0, 1.0, 1.0]]) * self.gain
+        found = {"boxes": boxes, "labels": torch.tensor([1, 2]), "scores": torch.tensor([0.9, 0.1])}
+        return [found] * x.shape[0]

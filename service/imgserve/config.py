@@ -53,6 +53,13 @@ class Settings(BaseSettings):
         "0.0.0.0", description="Address to bind (LitServe takes these three)."
     )
     port: int = Field(8000, ge=1024, le=65535, description="TCP port.")
+    grpc_port: int = Field(
+        8001,
+        ge=0,
+        le=65535,
+        description="TCP port of the Open Inference Protocol's gRPC service (served by the first HTTP front end); "
+        "0 = off.",
+    )
     api_servers: int | Literal["auto"] = Field(
         "auto",
         description="HTTP front-end processes (they share the port); auto = 1 on a CPU (the workers use every "
@@ -61,6 +68,12 @@ class Settings(BaseSettings):
 
     # What it serves.
     model: str = Field(BUILTIN_MODEL, description="builtin:denoiser, or a path to .pt/.pt2/.safetensors/.pth.")
+    model_name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+        description="The model's name in the Open Inference Protocol (/v2/models/<name>, gRPC); "
+        "default: denoiser for the built-in model, else the model file's name without its extension.",
+    )
     model_factory: str | None = Field(
         None, description="module:function that builds the nn.Module for a state-dict/safetensors file."
     )
@@ -214,6 +227,13 @@ class Settings(BaseSettings):
         if value is not None and 0 in value:
             raise ValueError("std must not be 0")
         return value
+
+    @property
+    def served_name(self) -> str:
+        """--model-name, else the built-in model's name or the model file's stem."""
+        if self.model_name:
+            return self.model_name
+        return BUILTIN_MODEL.partition(":")[2] if self.model == BUILTIN_MODEL else Path(self.model).stem
 
     @model_validator(mode="after")
     def _apply_preset(self) -> Settings:

@@ -1,4 +1,5 @@
-"""The one error type a client ever sees: an HTTP status with a JSON body {"error": {"code", "message"}}."""
+"""The one error type a client ever sees: an HTTP status with a JSON body {"error": {"code", "message"}}, or on the
+Open Inference Protocol's routes (/v2...) that protocol's own body {"error": "message"}."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ class ApiError(Exception):
         super().__init__(status, code, message, retry_after)
         self.status, self.code, self.message, self.retry_after = status, code, message, retry_after
 
-    def response(self) -> JSONResponse:
-        """The HTTP answer for this error."""
+    def response(self, path: str = "") -> JSONResponse:
+        """The HTTP answer for this error, in the envelope of the protocol that `path` belongs to."""
         headers = {"Retry-After": str(self.retry_after)} if self.retry_after is not None else None
-        body = {"error": {"code": self.code, "message": self.message}}
+        v2 = path == "/v2" or path.startswith("/v2/")
+        body = {"error": self.message} if v2 else {"error": {"code": self.code, "message": self.message}}
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
@@ -26,14 +28,14 @@ async def http_error(request: Request, exc: StarletteHTTPException) -> JSONRespo
     """404, 405 and Starlette's other HTTP errors, in the envelope (FastAPI would answer {"detail": ...})."""
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     message = f"{request.method} {request.url.path}: {exc.detail}"[:200]
-    response = ApiError(exc.status_code, code, message).response()
+    response = ApiError(exc.status_code, code, message).response(request.url.path)
     response.headers.update(exc.headers or {})  # Allow, for a 405
     return response
 
 
 async def internal_error(request: Request, exc: Exception) -> JSONResponse:
     """An unexpected exception: a 500 envelope; uvicorn logs the traceback and closes, so the client is told."""
-    response = ApiError(500, "internal_error", "the server failed on this request").response()
+    response = ApiError(500, "internal_error", "the server failed on this request").response(request.url.path)
     response.headers["Connection"] = "close"
     return response
 

@@ -6,6 +6,7 @@ Live numbers that belong to the pod rather than a process (queue depth, GPU, mod
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,16 +33,24 @@ REJECT_REASONS = (
     "body_timeout",
     "upload_too_slow",
 )
-ROUTES = {
-    "/predict",
-    "/v1/images:predict",
-    "/health",
-    "/health/live",
-    "/health/ready",
-    "/info",
-    "/metrics",
-    "/",
-}
+PREDICT_PATHS = ("/predict", "/v1/images:predict")
+ROUTES = {*PREDICT_PATHS, "/health", "/health/live", "/health/ready", "/info", "/metrics", "/"}
+# The Open Inference Protocol's routes carry the model's name: each protocol is one label for its inferences and
+# one for the rest (health, metadata, config), whatever the model and version named in the path.
+V2_INFER, V2_OTHER = "/v2/infer", "/v2"
+V2_INFER_PATH = re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/infer")
+GRPC_INFER, GRPC_OTHER = "grpc/ModelInfer", "grpc"
+INFER_ROUTES = {*PREDICT_PATHS, V2_INFER}
+
+
+def route(path: str) -> str:
+    """The `route` label of an HTTP request path (low cardinality: unknown paths are `other`)."""
+    if path in ROUTES:
+        return path
+    if path == "/v2" or path.startswith("/v2/"):
+        return V2_INFER if V2_INFER_PATH.fullmatch(path) else V2_OTHER
+    return "other"
+
 
 REQUESTS = Counter("imgserve_requests_total", "HTTP requests answered, by route and status code", ["route", "code"])
 REQUEST_DURATION = Histogram(
@@ -132,7 +141,7 @@ class MetricsMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        route = scope["path"] if scope["path"] in ROUTES else "other"
+        label = route(scope["path"])
         started = time.perf_counter()
         status = 500
 
@@ -145,5 +154,10 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_and_record)
         finally:
-            REQUESTS.labels(route, str(status)).inc()
-            REQUEST_DURATION.labels(route).observe(time.perf_counter() - started)
+            count(label, status, time.perf_counter() - started)
+
+
+def count(label: str, status: int, seconds: float) -> None:
+    """One answer on `label`: imgserve_requests_total and imgserve_request_duration_seconds."""
+    REQUESTS.labels(label, str(status)).inc()
+    REQUEST_DURATION.labels(label).observe(seconds)

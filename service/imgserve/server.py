@@ -25,7 +25,11 @@ from imgserve.errors import install_handlers
 from imgserve.frontend.admission import Admission, AdmissionMiddleware, queue_bound
 from imgserve.frontend.auth import ApiKeyMiddleware, read_keys
 from imgserve.frontend.connections import GuardedHttpToolsProtocol
+from imgserve.frontend.inference import Inference
 from imgserve.frontend.routes import Routes
+from imgserve.frontend.v2 import grpc_service
+from imgserve.frontend.v2.http import V2Routes
+from imgserve.frontend.v2.model import ServedModel
 from imgserve.handoff.answers import AnswerSockets
 from imgserve.handoff.dispatch import Dispatcher
 from imgserve.handoff.requests import RequestSocket
@@ -95,16 +99,20 @@ class ImageServer(ls.LitServer):
         """Called by LitServer.__init__; our routes replace LitServe's /health and /info."""
 
     def _register_api_endpoints(self, lit_api: ls.LitAPI, request_type: Any, response_type: Any) -> None:
+        self.inference = Inference(self.settings, self.state, self.dispatcher, self.admission)
         routes = Routes(
             self.settings,
             self.state,
-            self.dispatcher,
+            self.inference,
             lambda: metrics.exposition(self.pod_collector),
             self.describe,
             lambda: dict(self.workers_setup_status),
         )
-        for path in ("/predict", "/v1/images:predict"):
+        for path in metrics.PREDICT_PATHS:
             self.app.router.routes.append(Route(path, routes.predict, methods=["POST"]))
+        model = ServedModel(self.settings, self.state, self.inference, routes.renderer, routes.not_ready_reason)
+        self.app.router.routes.extend(V2Routes(model, self.settings.max_body_bytes).routes())
+        self.grpc_servicer = grpc_service.Servicer(model, self.settings)
         for path, endpoint in (
             ("/health/live", routes.live),
             ("/health/ready", routes.ready),
@@ -135,10 +143,18 @@ class ImageServer(ls.LitServer):
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
-        """Each front end's start: its dispatcher threads instead of LitServe's thread hop per answer."""
+        """Each front end's start: its dispatcher threads instead of LitServe's thread hop per answer; the first
+        also serves gRPC (--grpc-port) on its event loop, until it stops."""
         front_end = app.response_queue_id
         self.dispatcher.start(front_end, self.request_queue, self._transport.receiver(front_end))
-        yield
+        if front_end != 0 or not self.settings.grpc_port:
+            yield
+            return
+        grpc_server = await grpc_service.start(self.grpc_servicer, self.settings)
+        try:
+            yield
+        finally:
+            await grpc_server.stop(grpc_service.GRACE_S)
 
     def restart_worker(self, index: int) -> BaseProcess:
         return self.launch_single_inference_worker(self.lit_api, index)

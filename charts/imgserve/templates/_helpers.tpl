@@ -97,7 +97,9 @@ app.kubernetes.io/part-of: imgserve
 {{- end }}
 
 {{/* The server's environment: IMGSERVE_<NAME> from settings (whole numbers printed as integers, not 2e+07), with MODEL/PORT/HOST from the chart and DEVICE from gpu.enabled unless set. */}}
-{{- define "imgserve.env" -}}
+{{/* IMGSERVE_* of the settings (the Deployment and the KServe runtime share them): `settings` and the device, as a
+YAML map from setting name (upper case) to its string value. */}}
+{{- define "imgserve.settingsEnv" -}}
 {{- $env := dict }}
 {{- range $key, $value := .Values.settings }}
 {{- if and (kindIs "float64" $value) (eq $value (floor $value)) }}{{ $value = int64 $value }}{{ end }}
@@ -107,16 +109,42 @@ app.kubernetes.io/part-of: imgserve
 {{- $_ := set $env "DEVICE" (ternary "cuda" "cpu" .Values.gpu.enabled) }}
 {{- end }}
 {{- $_ := set $env "MODEL" (include "imgserve.modelPath" .) }}
+{{- if .Values.modelName }}
+{{- $_ := set $env "MODEL_NAME" .Values.modelName }}
+{{- end }}
+{{- toYaml $env }}
+{{- end }}
+
+{{/* A map from setting name to value -> the container's env list of IMGSERVE_<NAME> variables. */}}
+{{- define "imgserve.envList" -}}
+{{- range $key, $value := . }}
+- name: IMGSERVE_{{ $key }}
+  value: {{ $value | quote }}
+{{- end }}
+{{- end }}
+
+{{/* The Deployment's IMGSERVE_*: the settings, the ports, and the API key file. */}}
+{{- define "imgserve.env" -}}
+{{- $env := include "imgserve.settingsEnv" . | fromYaml }}
 {{- $_ := set $env "PORT" (toString .Values.containerPort) }}
+{{- $_ := set $env "GRPC_PORT" (toString .Values.grpcPort) }}
 {{- $_ := set $env "HOST" "0.0.0.0" }}
 {{- if .Values.auth.existingSecret }}
 {{- $_ := set $env "API_KEY_FILE" (printf "%s/%s" (include "imgserve.apiKeyDir" .) .Values.auth.secretKey) }}
 {{- $_ := set $env "PROTECT_METRICS" (toString .Values.auth.protectMetrics) }}
 {{- end }}
-{{- range $key, $value := $env }}
-- name: IMGSERVE_{{ $key }}
-  value: {{ $value | quote }}
+{{- include "imgserve.envList" $env }}
 {{- end }}
+
+{{/* The server container's resources, with the GPU limit from `gpu`. */}}
+{{- define "imgserve.resources" -}}
+{{- $resources := deepCopy .Values.resources }}
+{{- if .Values.gpu.enabled }}
+{{- $limits := default dict $resources.limits }}
+{{- $_ := set $limits .Values.gpu.resourceName .Values.gpu.count }}
+{{- $_ := set $resources "limits" $limits }}
+{{- end }}
+{{- toYaml $resources }}
 {{- end }}
 
 {{/* Prometheus label selector of this release's pods (the ServiceMonitor target labels namespace and pod). */}}
@@ -170,6 +198,13 @@ sum(imgserve_queue_depth{ {{- include "imgserve.podSelector" . -}} })
 {{- end }}
 {{- if and (eq .Values.model.source "init") (not .Values.model.init.command) }}
 {{- fail "model.source=init needs model.init.command (it writes the model into /models)" }}
+{{- end }}
+{{- $isvc := .Values.kserve.inferenceService }}
+{{- if and $isvc.enabled (not .Values.kserve.servingRuntime.enabled) }}
+{{- fail "kserve.inferenceService.enabled needs kserve.servingRuntime.enabled (the runtime it names)" }}
+{{- end }}
+{{- if and $isvc.storageUri (not $isvc.modelFile) }}
+{{- fail "kserve.inferenceService.storageUri needs kserve.inferenceService.modelFile (the file under /mnt/models)" }}
 {{- end }}
 {{- end }}
 

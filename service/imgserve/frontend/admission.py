@@ -1,9 +1,11 @@
 """Admission: drain refusal, the upload bound, body-size limit, each request's deadline and the per-pod queue bound.
 
 Two separate bounds, so that slow uploads cannot hold the capacity complete requests need: at most `max_uploads`
-bodies are being received at once (per front-end process), and a request takes a place in the pod's queue
-(`max_queue_depth`, what `imgserve_queue_depth` counts) only once its whole body is in. A pod already full or
-draining answers 503 before reading the body (the connection layer does it even earlier, see connections.py).
+bodies are being received at once (per front-end process), and a request's images take their places in the pod's
+queue (`max_queue_depth`, what `imgserve_queue_depth` counts) only once its whole body is in and parsed
+(frontend/inference.py, one place per image). A pod already full or draining answers 503 before reading the body
+(the connection layer does it even earlier for /predict, see connections.py). This holds for every inference
+route: /predict and the Open Inference Protocol's HTTP infer.
 """
 
 from __future__ import annotations
@@ -15,10 +17,9 @@ from collections.abc import Callable
 from imgserve.config import Settings
 from imgserve.errors import ApiError
 from imgserve.handoff.state import SharedState
-from imgserve.metrics import REJECTED
+from imgserve.metrics import INFER_ROUTES, REJECTED, route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-PREDICT_PATHS = ("/predict", "/v1/images:predict")
 SHED_MESSAGES = {"draining": "the server is shutting down", "queue_full": "the queue is full"}
 SECONDS = re.compile(r"\d+(\.\d*)?|\.\d+")
 
@@ -51,27 +52,30 @@ class Admission:
         reason = self.shed_reason()
         return None if reason is None else ApiError(503, reason, SHED_MESSAGES[reason], self.settings.retry_after_s)
 
-    def admit(self) -> None:
-        """Take a place in the pod's queue (release() gives it back), or raise 503 queue_full."""
+    def admit(self, count: int = 1) -> None:
+        """Take `count` places in the pod's queue, all or none (release() gives them back), or raise 503 queue_full
+        (413 when even an empty queue could not hold them)."""
         limit = self.limit()
-        if not self.state.try_admit(limit):
+        if count > limit:
+            raise ApiError(413, "too_many_images", f"{count} images are more than this server's queue holds ({limit})")
+        if not self.state.try_admit(limit, count):
             self._rejected["queue_full"].inc()
             message = f"{SHED_MESSAGES['queue_full']} ({limit} requests)"
             raise ApiError(503, "queue_full", message, self.settings.retry_after_s)
 
-    def release(self) -> None:
-        self.state.release()
+    def release(self, count: int = 1) -> None:
+        self.state.release(count)
 
 
 class AdmissionMiddleware:
-    """Receive a predict request's body under the upload bound, then admit it to the queue; count it out when done."""
+    """Receive an inference request's body under the upload bound and its deadline, unless the pod is full."""
 
     def __init__(self, app: ASGIApp, admission: Admission, settings: Settings) -> None:
         self.app, self.admission, self.settings = app, admission, settings
         self.uploads = 0  # bodies being received by this front-end process
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in PREDICT_PATHS:
+        if scope["type"] != "http" or route(scope["path"]) not in INFER_ROUTES:
             return await self.app(scope, receive, send)
         state = scope.setdefault("state", {})
         try:
@@ -83,14 +87,10 @@ class AdmissionMiddleware:
             body = await self._receive_body(receive, deadline)
             if body is None:  # the client left, or the connection layer cut a too-slow upload
                 raise state.get("refusal") or ApiError(499, "client_disconnected", "the client left mid-upload")
-            self.admission.admit()
         except ApiError as error:
-            return await error.response()(scope, receive, send)
+            return await error.response(scope["path"])(scope, receive, send)
         state["deadline"] = deadline
-        try:
-            await self.app(scope, _replay(body, receive), send)
-        finally:
-            self.admission.release()
+        await self.app(scope, _replay(body, receive), send)
 
     async def _receive_body(self, receive: Receive, deadline: float) -> bytes | None:
         """The whole body (None if the client disconnected), held to max_uploads, max_body_bytes and the deadline."""

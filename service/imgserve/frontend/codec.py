@@ -50,6 +50,16 @@ def decode_image(data: bytes, max_pixels: int, preprocess: Preprocess | None = N
     return (preprocess or Preprocess())(rgb)  # resize/crop as torchvision's weight transforms
 
 
+def prepare_pixels(pixels: np.ndarray, max_pixels: int, preprocess: Preprocess | None = None) -> Prepared:
+    """Already decoded uint8 HxWx3 RGB pixels (a v2 UINT8 tensor) -> the model's input, under the same pixel limit."""
+    height, width = pixels.shape[:2]
+    if width * height > max_pixels:
+        raise ApiError(413, "image_too_large", f"{width}x{height} is over the limit of {max_pixels} pixels")
+    if width == 0 or height == 0:
+        raise ApiError(400, "empty_image", f"a {width}x{height} image has no pixels")
+    return (preprocess or Preprocess())(Image.fromarray(np.ascontiguousarray(pixels)))
+
+
 def _corrupt(exc: Exception) -> ApiError:
     if isinstance(exc, Image.DecompressionBombError):
         return ApiError(413, "image_too_large", str(exc))

@@ -26,16 +26,18 @@ import httptools
 from imgserve import metrics
 from imgserve.config import Settings
 from imgserve.errors import ApiError
-from imgserve.frontend.admission import PREDICT_PATHS, SHED_MESSAGES, Admission
+from imgserve.frontend.admission import SHED_MESSAGES, Admission
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 LINGER_S = 2.0  # how long a refused client's late bytes are read and dropped before the socket closes
 _IDLE, _HEADERS, _BODY = 0, 1, 2
 
 
-def raw_response(error: ApiError, close: bool = True) -> bytes:
-    """The whole HTTP/1.1 answer for `error`, as bytes written straight to the socket."""
-    body = json.dumps({"error": {"code": error.code, "message": error.message}}).encode()
+def raw_response(error: ApiError, close: bool = True, v2: bool = False) -> bytes:
+    """The whole HTTP/1.1 answer for `error`, as bytes written straight to the socket (in the Open Inference
+    Protocol's envelope for a request on its /v2 routes)."""
+    envelope = {"error": error.message} if v2 else {"error": {"code": error.code, "message": error.message}}
+    body = json.dumps(envelope).encode()
     lines = [
         f"HTTP/1.1 {error.status} {http.HTTPStatus(error.status).phrase}",
         "content-type: application/json",
@@ -90,7 +92,10 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             errors.append(ApiError(503, reason, SHED_MESSAGES[reason], retry))
         refusals = {error.code: (error, raw_response(error)) for error in errors}
         refusals |= {f"{e.code}+keep-alive": (e, raw_response(e, close=False)) for e in errors if e.status == 503}
-        shed_counts = {path.encode(): metrics.REQUESTS.labels(path, "503") for path in PREDICT_PATHS}
+        refusals |= {
+            f"{key}+v2": (e, raw_response(e, "keep-alive" not in key, v2=True)) for key, (e, _) in refusals.items()
+        }
+        shed_counts = {path.encode(): metrics.REQUESTS.labels(path, "503") for path in metrics.PREDICT_PATHS}
         attributes = {"settings": settings, "admission": admission, "refusals": refusals, "shed_counts": shed_counts}
         return type(cls.__name__, (cls,), attributes)
 
@@ -296,7 +301,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         """Answer with a pre-built error (unless this request's answer already started) and close."""
         if reason is not None:
             metrics.REJECTED.labels(reason).inc()
-        error, response = self.refusals[answer]
+        on_v2 = self._phase != _IDLE and (self.url == b"/v2" or self.url.startswith((b"/v2/", b"/v2?")))
+        error, response = self.refusals[f"{answer}+v2" if on_v2 else answer]
         cycle = self.cycle if self._phase == _BODY and not self._shed else None
         if cycle is None or not cycle.response_started:
             self._socket.write(response)

@@ -66,10 +66,15 @@ class Renderer:
         body = codec.encode_image(pixels, fmt, params.quality or self.settings.jpeg_quality)
         return Response(body, media_type=codec.OUTPUT_TYPES[fmt])
 
-    def scores(self, output: np.ndarray, params: Params) -> JSONResponse:
+    def probabilities(self, output: np.ndarray) -> np.ndarray:
+        """A classifier's scores as probabilities (softmax of logits, or as they are)."""
         if self.settings.scores == "logits":
             output = np.exp(output - output.max())
             output /= output.sum()
+        return output
+
+    def scores(self, output: np.ndarray, params: Params) -> JSONResponse:
+        output = self.probabilities(output)
         top = np.argsort(-output, kind="stable")[: params.top_k]
         return JSONResponse(
             {"top_k": [{"index": int(i), "label": self.label(int(i)), "score": float(output[i])} for i in top]}
@@ -92,17 +97,25 @@ class Renderer:
         return Response(codec.save(image, "png"), media_type=codec.OUTPUT_TYPES["png"])
 
     def detections(self, found: dict[str, list], geometry: Geometry, params: Params) -> JSONResponse:
-        answer = []
-        for box, index, score in zip(found["boxes"], found["labels"], found["scores"], strict=True):
-            if score < params.score_threshold:
-                continue
-            left, top = geometry.to_original(box[0], box[1])
-            right, bottom = geometry.to_original(box[2], box[3])
-            answer.append(
-                {"box": [left, top, right, bottom], "index": index, "label": self.label(index), "score": score}
-            )
+        answer = [
+            {"box": box, "index": index, "label": self.label(index), "score": score}
+            for box, index, score in detections_on_original(found, geometry, params.score_threshold)
+        ]
         width, height = geometry.original
         return JSONResponse({"width": width, "height": height, "detections": answer})
+
+
+def detections_on_original(
+    found: dict[str, list], geometry: Geometry, threshold: float
+) -> list[tuple[list[float], int, float]]:
+    """(box on the upload as left, top, right, bottom; class index; score) of each detection scoring >= threshold."""
+    kept = []
+    for box, index, score in zip(found["boxes"], found["labels"], found["scores"], strict=True):
+        if score >= threshold:
+            left, top = geometry.to_original(box[0], box[1])
+            right, bottom = geometry.to_original(box[2], box[3])
+            kept.append(([left, top, right, bottom], index, score))
+    return kept
 
 
 def mask_on_original(mask: np.ndarray, geometry: Geometry) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""HTTP routes of the front end: read and decode the upload, hand it to a worker, answer; health, info, metrics."""
+"""imgserve's own HTTP routes: /predict (read the upload, infer, render the answer), health, info, metrics."""
 
 from __future__ import annotations
 
@@ -7,12 +7,10 @@ from typing import Any, Literal
 
 from imgserve.config import Settings
 from imgserve.errors import ApiError
-from imgserve.frontend import codec
+from imgserve.frontend.inference import Inference
 from imgserve.frontend.render import Renderer
-from imgserve.handoff.dispatch import Dispatcher, Slot
 from imgserve.handoff.state import SharedState
 from imgserve.models import outputs
-from imgserve.models.preprocess import Geometry, Preprocess
 from litserve.utils import WorkerSetupStatus
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from python_multipart.multipart import parse_options_header
@@ -21,7 +19,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-INLINE_CODEC_BYTES = 32 * 1024  # uploads up to this size are decoded (and their answers encoded) on the event loop
 MAX_LISTED_PROBLEMS = 5
 
 
@@ -70,11 +67,6 @@ async def _upload(request: Request) -> bytes:
     )
 
 
-async def _call(inline: bool, function: Callable[..., Any], *args: Any) -> Any:
-    """`function(*args)` on the event loop when `inline`, else in the thread pool."""
-    return function(*args) if inline else await run_in_threadpool(function, *args)
-
-
 def _check_multipart_closed(request: Request, body: bytes) -> None:
     """A body cut before its closing boundary is malformed (Starlette would parse it as a form without the file)."""
     _, options = parse_options_header(request.headers["content-type"])
@@ -90,42 +82,31 @@ class Routes:
         self,
         settings: Settings,
         state: SharedState,
-        dispatcher: Dispatcher,
+        inference: Inference,
         metrics_body: Callable[[], bytes],
         describe: Callable[[], dict[str, Any]],
         setup_status: Callable[[], dict[str, str]],
     ) -> None:
-        self.settings, self.state, self.dispatcher, self.metrics_body = settings, state, dispatcher, metrics_body
+        self.settings, self.state, self.inference, self.metrics_body = settings, state, inference, metrics_body
         self.describe, self.setup_status = describe, setup_status
-        self.preprocess = Preprocess.from_settings(settings)
         self.renderer = Renderer(settings, outputs.read_labels(settings.labels))
 
     async def predict(self, request: Request) -> Response:
         try:
             params = _params(request)
             data = await _upload(request)
-            # A small image costs less to decode and encode than a hop to the thread pool and back.
-            inline = len(data) <= INLINE_CODEC_BYTES
             accept = request.headers.get("accept", "")
-            async with self.dispatcher.slot() as slot:
-                shape, geometry = await _call(inline, self._decode_into, data, slot)
-                answer = await slot.submit(shape, request.scope["state"]["deadline"])
-                return await _call(inline, self._render, slot, answer, geometry, params, accept)
+
+            def render(result: Any, geometry: Any) -> Response:
+                return self.renderer(self.state.task, result, geometry, params, accept)
+
+            (response,) = await self.inference.run([data], request.scope["state"]["deadline"], render)
+            return response
         except ApiError as error:
             return error.response()
 
-    def _decode_into(self, data: bytes, slot: Slot) -> tuple[tuple[int, ...], Geometry]:
-        """Decode, validate and preprocess the upload straight into the request's slot; its shape is all that is
-        queued, and its geometry (how the model's input was cut from the upload) stays here for the answer."""
-        pixels, geometry = codec.decode_image(data, self.settings.max_image_pixels, self.preprocess)
-        slot.write(pixels)
-        return pixels.shape, geometry
-
-    def _render(self, slot: Slot, answer: Any, geometry: Geometry, params: PredictParams, accept: str) -> Response:
-        """The worker's result (read from the slot when it lies there) -> the HTTP answer for the model's kind."""
-        return self.renderer(self.state.task, slot.result(answer), geometry, params, accept)
-
-    def _not_ready_reason(self) -> str | None:
+    def not_ready_reason(self) -> str | None:
+        """Why the model cannot take requests now (draining, a worker restarting, loading), or None when ready."""
         if self.state.draining:
             return "draining"
         if not self.state.all_workers_alive:
@@ -136,7 +117,7 @@ class Routes:
         return None
 
     async def ready(self, request: Request) -> JSONResponse:
-        reason = self._not_ready_reason()
+        reason = self.not_ready_reason()
         if reason:
             return JSONResponse({"status": "not ready", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ready"})

@@ -29,17 +29,17 @@ class SharedState:
         self._setup_failure = _ctx.Array("c", SETUP_FAILURE_BYTES)
 
     # Admission: requests admitted and not yet answered.
-    def try_admit(self, limit: int) -> bool:
-        """Take a place in the queue if one is free."""
+    def try_admit(self, limit: int, count: int = 1) -> bool:
+        """Take `count` places in the queue if that many are free (all or none)."""
         with self._depth.get_lock():
-            if self._depth.value >= limit:
+            if self._depth.value + count > limit:
                 return False
-            self._depth.value += 1
+            self._depth.value += count
             return True
 
-    def release(self) -> None:
+    def release(self, count: int = 1) -> None:
         with self._depth.get_lock():
-            self._depth.value -= 1
+            self._depth.value -= count
 
     @property
     def queue_depth(self) -> int:

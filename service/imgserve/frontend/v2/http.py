@@ -1,0 +1,131 @@
+"""The Open Inference Protocol over HTTP, beside imgserve's own routes on the same port: health, metadata, config
+and infer (JSON tensors, Triton's binary tensor data extension, raw binary bodies, gzip/deflate bodies).
+
+Errors are the protocol's `{"error": "<message>"}`; health answers carry JSON bodies (KServe's client reads them).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+from imgserve.errors import ApiError
+from imgserve.frontend.inference import INLINE_CODEC_BYTES
+from imgserve.frontend.v2 import tensors
+from imgserve.frontend.v2.model import VERSION, ServedModel
+from imgserve.frontend.v2.tensors import InferRequest, RequestedOutput, Tensor
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+ANY_ZLIB_HEADER = 32 + zlib.MAX_WBITS  # gzip or zlib, told apart by the header
+
+
+class V2Routes:
+    """The HTTP endpoints of the protocol for one served model."""
+
+    def __init__(self, model: ServedModel, max_body_bytes: int) -> None:
+        self.model, self.max_body_bytes = model, max_body_bytes
+
+    def routes(self) -> list[Route]:
+        """Every route, each model route with and without `/versions/{version}`."""
+        found = [
+            Route("/v2", self.server_metadata, methods=["GET"]),
+            Route("/v2/health/live", self.live, methods=["GET"]),
+            Route("/v2/health/ready", self.ready, methods=["GET"]),
+        ]
+        for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+            found += [
+                Route(base, self.metadata, methods=["GET"]),
+                Route(f"{base}/ready", self.model_ready, methods=["GET"]),
+                Route(f"{base}/config", self.config, methods=["GET"]),
+                Route(f"{base}/infer", self.infer, methods=["POST"]),
+            ]
+        return found
+
+    async def server_metadata(self, request: Request) -> JSONResponse:
+        return JSONResponse(self.model.server_metadata())
+
+    async def live(self, request: Request) -> JSONResponse:
+        return JSONResponse({"live": True})
+
+    async def ready(self, request: Request) -> JSONResponse:
+        ready = self.model.not_ready_reason() is None
+        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+
+    async def model_ready(self, request: Request) -> JSONResponse:
+        return await self._answer(request, self._model_ready)
+
+    async def metadata(self, request: Request) -> JSONResponse:
+        return await self._answer(request, lambda: JSONResponse(self.model.metadata()))
+
+    async def config(self, request: Request) -> JSONResponse:
+        return await self._answer(request, lambda: JSONResponse(self.model.config()))
+
+    def _model_ready(self) -> JSONResponse:
+        ready = self.model.not_ready_reason() is None
+        return JSONResponse({"name": self.model.name, "ready": ready}, status_code=200 if ready else 503)
+
+    async def _answer(self, request: Request, answer: Callable[[], Response]) -> Response:
+        try:
+            self.model.check(request.path_params["model"], request.path_params.get("version"))
+            return answer()
+        except ApiError as error:
+            return error.response(request.url.path)
+
+    async def infer(self, request: Request) -> Response:
+        try:
+            self.model.check(request.path_params["model"], request.path_params.get("version"))
+            body = _decompressed(await request.body(), request.headers.get("content-encoding"), self.max_body_bytes)
+            parsed = tensors.parse_http(body, request.headers.get(HEADER_LENGTH))
+            state = request.scope["state"]
+            outputs = await self.model.infer(parsed, state["deadline"], state.get("first_byte", time.monotonic()))
+            if sum(tensors.nbytes(tensor) for _, tensor in outputs) <= INLINE_CODEC_BYTES:
+                return self._response(parsed, outputs)
+            return await run_in_threadpool(self._response, parsed, outputs)
+        except ApiError as error:
+            return error.response(request.url.path)
+
+    def _response(self, request: InferRequest, outputs: list[tuple[RequestedOutput, Tensor]]) -> Response:
+        """The answer: a JSON header, then the binary outputs in order (with the header's length) if any."""
+        header: dict[str, Any] = {"model_name": self.model.name, "model_version": VERSION}
+        if request.id is not None:
+            header["id"] = request.id
+        header["outputs"], blobs = [], []
+        for output, tensor in outputs:
+            entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": tensor.shape}
+            if output.binary:
+                blobs.append(tensors.raw(tensor))
+                entry["parameters"] = {"binary_data_size": len(blobs[-1])}
+            else:
+                entry["data"] = tensors.json_data(tensor)
+            header["outputs"].append(entry)
+        text = json.dumps(header, separators=(",", ":")).encode()
+        if not blobs:
+            return Response(text, media_type="application/json")
+        headers = {HEADER_LENGTH: str(len(text))}
+        return Response(b"".join([text, *blobs]), media_type="application/octet-stream", headers=headers)
+
+
+def _decompressed(body: bytes, encoding: str | None, limit: int) -> bytes:
+    """The body after its Content-Encoding (gzip, deflate or identity), held to `limit` bytes once inflated."""
+    encoding = (encoding or "identity").strip().lower()
+    if encoding == "identity":
+        return body
+    if encoding not in ("gzip", "deflate"):
+        raise ApiError(415, "unsupported_encoding", f"Content-Encoding {encoding[:30]!r} is not supported")
+    inflater = zlib.decompressobj(ANY_ZLIB_HEADER)
+    try:
+        inflated = inflater.decompress(body, limit + 1)
+    except zlib.error as exc:
+        raise tensors.bad(f"the {encoding} body cannot be inflated: {exc}") from None
+    if len(inflated) > limit:
+        raise ApiError(413, "body_too_large", f"the inflated body is over the limit of {limit} bytes")
+    if not inflater.eof:
+        raise tensors.bad(f"the {encoding} body is truncated")
+    return inflated

@@ -1,0 +1,279 @@
+"""The protocol's in-memory request and response (what both wire formats convert to), and its tensor encodings.
+
+HTTP bodies are parsed here: a JSON inference header, optionally followed by binary tensors (Triton's binary tensor
+data extension: `Inference-Header-Content-Length`, `binary_data_size`), or a raw binary body (header length 0).
+Binary tensors are little-endian, row-major; each BYTES element is a uint32 little-endian length, then the bytes.
+In JSON, a BYTES element that holds an image is a base64 string (JSON strings cannot carry arbitrary bytes).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from imgserve.errors import ApiError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(kind).newbyteorder("<")
+    for name, kind in {
+        "BOOL": "?",
+        "UINT8": "u1",
+        "UINT16": "u2",
+        "UINT32": "u4",
+        "UINT64": "u8",
+        "INT8": "i1",
+        "INT16": "i2",
+        "INT32": "i4",
+        "INT64": "i8",
+        "FP16": "f2",
+        "FP32": "f4",
+        "FP64": "f8",
+    }.items()
+}
+MAX_TENSORS = 16
+MAX_DIMENSIONS = 8
+_LENGTH = struct.Struct("<I")
+
+
+@dataclass
+class Tensor:
+    """A named tensor: numbers as a numpy array of its shape, BYTES as a flat list of bytes (row-major)."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    data: np.ndarray | list[bytes]
+    text: bool = False  # BYTES that are text (classification): JSON carries them as strings, not base64
+
+
+@dataclass
+class RequestedOutput:
+    """An output the client asked for, and how: binary or JSON, and the classification extension's top k."""
+
+    name: str
+    binary: bool
+    classification: int | None = None
+
+
+@dataclass
+class InferRequest:
+    """One inference request, whatever protocol carried it."""
+
+    inputs: list[Tensor]
+    outputs: list[RequestedOutput] | None = None  # None: the model's default outputs
+    parameters: dict[str, Any] = field(default_factory=dict)
+    id: str | None = None
+    binary_outputs: bool = False  # binary_data_output: every output binary unless it says otherwise
+
+
+class _InputModel(BaseModel):
+    name: str = Field(max_length=256)
+    shape: list[int] = Field(max_length=MAX_DIMENSIONS)
+    datatype: str = Field(max_length=16)
+    parameters: dict[str, Any] = {}
+    data: Any = None
+
+
+class _OutputModel(BaseModel):
+    name: str = Field(max_length=256)
+    parameters: dict[str, Any] = {}
+
+
+class _RequestModel(BaseModel):
+    """The JSON inference header; unknown top-level keys (KServe's client sends model_name) are ignored."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = Field(None, max_length=256)
+    parameters: dict[str, Any] = {}
+    inputs: list[_InputModel] = Field(min_length=1, max_length=MAX_TENSORS)
+    outputs: list[_OutputModel] | None = Field(None, max_length=MAX_TENSORS)
+
+
+def bad(message: str) -> ApiError:
+    """A 400 for a request the protocol cannot read."""
+    return ApiError(400, "bad_request", message[:300])
+
+
+def parse_http(body: bytes, header_length: str | None) -> InferRequest:
+    """An HTTP infer body -> InferRequest; `header_length` is the Inference-Header-Content-Length header."""
+    if header_length is None:
+        header, binary = body, b""
+    elif not header_length.strip().isdigit() or int(header_length) > len(body):
+        raise bad(f"Inference-Header-Content-Length {header_length[:20]!r} is not a length within the body")
+    elif int(header_length) == 0:  # a raw binary request: the body is the one (image) input, batch 1
+        return InferRequest([Tensor("image", "BYTES", [1, 1], [_raw_element(body)])])
+    else:
+        header, binary = body[: int(header_length)], body[int(header_length) :]
+    try:
+        model = _RequestModel.model_validate(json.loads(header))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad(f"the inference request is not JSON: {exc}") from None
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
+        raise bad(f"the inference request is not valid: {problems}") from None
+    inputs, offset = [], 0
+    for item in model.inputs:
+        size = item.parameters.get("binary_data_size")
+        if size is None:
+            inputs.append(from_json(item.name, item.datatype, item.shape, item.data))
+            continue
+        if not isinstance(size, int) or size < 0 or offset + size > len(binary):
+            raise bad(f"input {item.name!r}: binary_data_size {size!r} runs past the body's binary data")
+        inputs.append(from_binary(item.name, item.datatype, item.shape, binary[offset : offset + size]))
+        offset += size
+    if offset != len(binary):
+        raise bad(f"{len(binary) - offset} bytes of binary data after the last binary input")
+    outputs = None
+    if model.outputs is not None:
+        binary_default = model.parameters.get("binary_data_output") is True
+        outputs = [
+            RequestedOutput(o.name, o.parameters.get("binary_data", binary_default) is True, _top_k(o))
+            for o in model.outputs
+        ]
+    return InferRequest(inputs, outputs, model.parameters, model.id, model.parameters.get("binary_data_output") is True)
+
+
+def _top_k(output: _OutputModel) -> int | None:
+    k = output.parameters.get("classification")
+    if k is None:
+        return None
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise bad(f"output {output.name!r}: classification must be a positive integer")
+    return k
+
+
+def _raw_element(body: bytes) -> bytes:
+    """A raw binary body: one serialized BYTES element (length-prefixed), or the image's bytes as they are."""
+    if len(body) >= 4 and _LENGTH.unpack_from(body)[0] == len(body) - 4:
+        return body[4:]
+    return body
+
+
+def elements(shape: list[int]) -> int:
+    """How many elements a tensor of `shape` has (400 for a negative dimension)."""
+    if any(not isinstance(d, int) or d < 0 for d in shape):
+        raise bad(f"shape {shape} has a negative dimension")
+    return math.prod(shape)
+
+
+def from_binary(name: str, datatype: str, shape: list[int], raw: bytes) -> Tensor:
+    """A tensor from its binary form."""
+    count = elements(shape)
+    if datatype == "BYTES":
+        return from_elements(name, shape, unpack_bytes(raw, name))
+    dtype = _dtype(name, datatype)
+    if len(raw) != count * dtype.itemsize:
+        raise bad(f"input {name!r}: {len(raw)} bytes of data for shape {shape} of {datatype}")
+    return Tensor(name, datatype, shape, np.frombuffer(raw, dtype=dtype).reshape(shape))
+
+
+def from_json(name: str, datatype: str, shape: list[int], data: Any) -> Tensor:
+    """A tensor from JSON `data` (flat or nested row-major lists); BYTES elements are base64 strings."""
+    if data is None:
+        raise bad(f"input {name!r} has neither data nor parameters.binary_data_size")
+    flat = _flatten(data if isinstance(data, list) else [data])
+    if datatype != "BYTES":
+        if datatype == "FP16":
+            raise bad(f"input {name!r}: FP16 cannot travel as JSON; send it as binary data")
+        return from_numbers(name, datatype, shape, flat)
+    if not all(isinstance(item, str) for item in flat):
+        raise bad(f"input {name!r}: BYTES data must be base64 strings")
+    try:
+        values = [base64.b64decode(item, validate=True) for item in flat]
+    except binascii.Error:
+        raise bad(f"input {name!r}: BYTES data must be base64 strings (an image cannot travel as JSON text)") from None
+    return from_elements(name, shape, values)
+
+
+def from_elements(name: str, shape: list[int], values: list[bytes]) -> Tensor:
+    """A BYTES tensor from its elements."""
+    return Tensor(name, "BYTES", shape, _check_count(name, shape, values))
+
+
+def from_numbers(name: str, datatype: str, shape: list[int], values: list) -> Tensor:
+    """A numeric tensor from a flat list of numbers, each checked to fit the datatype."""
+    dtype = _dtype(name, datatype)
+    if not all(isinstance(item, int | float) for item in values):
+        raise bad(f"input {name!r}: {datatype} data must be numbers")
+    try:
+        array = np.array(values, dtype=np.float64 if dtype.kind == "f" else np.int64)
+    except OverflowError:
+        raise bad(f"input {name!r}: a value is out of range for {datatype}") from None
+    if dtype.kind in "ui" and array.size and (array.min() < np.iinfo(dtype).min or array.max() > np.iinfo(dtype).max):
+        raise bad(f"input {name!r}: a value is out of range for {datatype}")
+    return Tensor(name, datatype, shape, _check_count(name, shape, array.astype(dtype)).reshape(shape))
+
+
+def _flatten(data: list, depth: int = 0) -> list:
+    if depth > MAX_DIMENSIONS:
+        raise bad(f"data is nested deeper than {MAX_DIMENSIONS} dimensions")
+    flat: list = []
+    for item in data:
+        if isinstance(item, list):
+            flat.extend(_flatten(item, depth + 1))
+        else:
+            flat.append(item)
+    return flat
+
+
+def _dtype(name: str, datatype: str) -> np.dtype:
+    if datatype not in DTYPES:
+        raise bad(f"input {name!r}: unknown datatype {datatype[:16]!r}")
+    return DTYPES[datatype]
+
+
+def _check_count(name: str, shape: list[int], values: Any) -> Any:
+    if len(values) != elements(shape):
+        raise bad(f"input {name!r}: {len(values)} elements for shape {shape}")
+    return values
+
+
+def unpack_bytes(raw: bytes, name: str) -> list[bytes]:
+    """Serialized BYTES (uint32 LE length, then the bytes, per element) -> the elements."""
+    values, offset = [], 0
+    while offset < len(raw):
+        if offset + 4 > len(raw):
+            raise bad(f"input {name!r}: BYTES data ends inside an element's length")
+        (length,) = _LENGTH.unpack_from(raw, offset)
+        offset += 4
+        if offset + length > len(raw):
+            raise bad(f"input {name!r}: a BYTES element of {length} bytes runs past the data")
+        values.append(raw[offset : offset + length])
+        offset += length
+    return values
+
+
+def pack_bytes(values: list[bytes]) -> bytes:
+    """BYTES elements -> their serialized form."""
+    return b"".join(_LENGTH.pack(len(value)) + value for value in values)
+
+
+def raw(tensor: Tensor) -> bytes:
+    """A tensor's binary form."""
+    if tensor.datatype == "BYTES":
+        return pack_bytes(tensor.data)  # type: ignore[arg-type]
+    return np.ascontiguousarray(tensor.data, dtype=DTYPES[tensor.datatype]).tobytes()
+
+
+def nbytes(tensor: Tensor) -> int:
+    """The size of a tensor's data."""
+    if tensor.datatype == "BYTES":
+        return sum(map(len, tensor.data))
+    return tensor.data.nbytes  # type: ignore[union-attr]
+
+
+def json_data(tensor: Tensor) -> list:
+    """A tensor's JSON `data`: flat, row-major; BYTES as text or base64."""
+    if tensor.datatype == "BYTES":
+        if tensor.text:
+            return [value.decode("utf-8") for value in tensor.data]
+        return [base64.b64encode(value).decode("ascii") for value in tensor.data]
+    return np.asarray(tensor.data).reshape(-1).tolist()
