@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import threading
+import uuid
 from collections.abc import AsyncIterator
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -135,7 +136,8 @@ class ImageServer(ls.LitServer):
     def _init_manager(self, num_api_servers: int) -> Any:
         """LitServe's Manager (its request queue), with answers sent over imgserve's datagram sockets instead."""
         manager = super()._init_manager(num_api_servers)
-        self._transport = AnswerSockets(f"imgserve-{os.getpid()}", num_api_servers)
+        # Abstract socket names are per network namespace, and pids repeat across containers on the host network.
+        self._transport = AnswerSockets(f"imgserve-{os.getpid()}-{uuid.uuid4().hex[:12]}", num_api_servers)
         self.queue_process = manager._process
         # run() blocks on this until it is stopped (by SIGINT): a Manager event would raise EOFError the moment the
         # queue process died, before the supervisor could answer anything.
