@@ -41,20 +41,24 @@ SCOPE_RANK = {":env:": 3, "site": 2, "user": 1, "global": 0}  # pip's own preced
 
 
 @functools.cache
-def podman_env() -> dict[str, str]:
-    """The environment for podman: the configuration above in a file of its own."""
+def podman_env(shm_size: str | None = None) -> dict[str, str]:
+    """The environment for podman: the configuration above in a file of its own, with a default /dev/shm size for
+    `kube play` (which turns a pod's emptyDir at /dev/shm into a root-owned disk volume, so the test drops it)."""
     conf = Path(tempfile.mkdtemp(prefix="imgserve-podman-")) / "containers.conf"
-    conf.write_text(CONTAINERS_CONF)
+    shm = f'shm_size = "{shm_size}"\n' if shm_size else ""
+    conf.write_text(CONTAINERS_CONF.replace("[containers]\n", f"[containers]\n{shm}"))
     return {**os.environ, "CONTAINERS_CONF": str(conf)}
 
 
-def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
+def podman(
+    *args: str, timeout: float = 120, check: bool = True, shm_size: str | None = None
+) -> subprocess.CompletedProcess[str]:
     """Run podman with this machine's settings; with check, fail the test with its output if it fails."""
-    result = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout, env=podman_env())
+    env = podman_env(shm_size)
+    result = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout, env=env)
     if check and result.returncode != 0:
-        pytest.fail(
-            f"podman {' '.join(args)} failed ({result.returncode}):\n{result.stderr[-3000:]}{result.stdout[-2000:]}"
-        )
+        output = result.stderr[-3000:] + result.stdout[-2000:]
+        pytest.fail(f"podman {' '.join(args)} failed ({result.returncode}):\n{output}")
     return result
 
 
