@@ -168,29 +168,28 @@ class ImageServer(ls.LitServer):
         uvicorn_worker_type: str,
         **kwargs: Any,
     ) -> dict[int, BaseProcess]:
-        """Fork the HTTP front ends (LitServe's loop, one front end at a time so that one can be replaced), then
-        supervise every child. LitServe stops the front ends in this dict at shutdown, replacements included."""
-        self._front_end_config = dict(port=port, log_level=log_level, sockets=sockets, **kwargs)
+        """Fork the HTTP front ends (LitServe's loop, one front end at a time so that one can be replaced; always
+        processes, which is all imgserve asks for), then supervise every child. LitServe stops the front ends in
+        this dict at shutdown, replacements included."""
+        self._front_end_sockets = sockets
+        self._front_end_config = dict(port=port, log_level=log_level, **kwargs)
         self.front_end_processes = {index: self.restart_front_end(index) for index in range(num_uvicorn_servers)}
         Supervisor(self).start()
         return self.front_end_processes
 
     def restart_front_end(self, index: int) -> BaseProcess:
         """Fork front end `index` on the listening socket, as LitServe's _start_server does for each."""
-        config = dict(self._front_end_config)
-        port, sockets = config.pop("port"), config.pop("sockets")
         self.app.response_queue_id = index
         app = copy.copy(self.app)
         self._prepare_app_run(app)
-        uvicorn_config = uvicorn.Config(
-            app=app,
+        config = uvicorn.Config(
+            app,
             host=self.settings.host,
-            port=port,
             timeout_graceful_shutdown=self.uvicorn_graceful_timeout,
-            **config,
+            **self._front_end_config,
         )
         process = mp.get_context("fork").Process(
-            target=FrontEndServer(config=uvicorn_config).run, args=(index, sockets), name=f"LitServer-{index}"
+            target=FrontEndServer(config=config).run, args=(index, self._front_end_sockets), name=f"LitServer-{index}"
         )
         process.start()
         return process

@@ -75,6 +75,7 @@ class Supervisor:
         return False
 
     def check_front_ends(self) -> bool:
+        """A dead front end: write off what it had admitted and fork a new one, or end the server if it keeps dying."""
         for index, process in list(self.server.front_end_processes.items()):
             if process.is_alive():
                 continue
