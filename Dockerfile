@@ -9,6 +9,7 @@
 #   --build-arg PIP_INDEX_URL=... --build-arg PIP_EXTRA_INDEX_URL=... --build-arg PIP_FIND_LINKS=...
 #   --build-arg PIP_CERT=/host-ca.crt -v /path/to/ca.crt:/host-ca.crt:ro
 ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+# checkov:skip=CKV_DOCKER_7: the base is a build argument; its default above is a pinned tag, never latest
 FROM ${BASE_IMAGE}
 
 ARG TORCH_VERSION=2.13.0
