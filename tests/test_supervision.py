@@ -1,6 +1,7 @@
 """The main process supervises every child, tested by kill -9 under load: a dead HTTP front end is replaced (and one
-that keeps dying ends the server), a dead queue process ends the server after answering what waited with 503.
-(A killed inference worker: tests/test_faults.py.)"""
+that keeps dying ends the server), a dead inference worker's requests are answered 503 while it is restarted, and a
+dead queue process ends the server after answering what waited with 503. (One request on a killed worker, timed:
+tests/test_faults.py.)"""
 
 from __future__ import annotations
 
@@ -141,6 +142,22 @@ def test_default_server_answers_again_after_its_front_end_is_killed_under_load(t
         wait_for(lambda: server.front_end_pids() and front_end not in server.front_end_pids().values(), 5, "replaced")
         assert httpx.post(f"{server.url}/predict", content=IMAGE, headers=PNG, timeout=30).status_code == 200
         assert server.metric("imgserve_queue_depth") == 0, "the dead front end's admitted requests were not written off"
+        assert server.zombies() == []
+
+
+def test_killed_worker_under_load_costs_only_503s(tmp_path) -> None:
+    with running_server(tmp_path) as server:
+        worker = server.worker_pids()[0]
+        killer = threading.Timer(1.0, os.kill, (worker, signal.SIGKILL))
+        killer.start()
+        load = run_closed_loop(f"{server.url}/predict", users=4, seconds=3)
+        killer.join()
+        assert load.failed == 0, load.errors()  # every request a correct 200 or an explicit 503
+        assert load.answered
+        wait_ready(server, timeout=60)
+        assert worker not in server.worker_pids()
+        assert server.metric("imgserve_worker_restarts_total") == 1
+        assert server.metric("imgserve_queue_depth") == 0
         assert server.zombies() == []
 
 
