@@ -67,7 +67,7 @@ def unavailable() -> str | None:
     """Why podman cannot run a container on this machine, or None when it can."""
     missing = [tool for tool in ("podman", "mmdebstrap", "runc") if shutil.which(tool) is None]
     if missing:
-        return f"{', '.join(missing)} not installed (`make containers` installs them with apt, as root)"
+        return f"{', '.join(missing)} not installed (`make tools` installs them with apt, as root)"
     result = podman("run", "--rm", "--network", "host", base_image(), "true", check=False)
     if result.returncode != 0:
         return f"podman cannot run a container here: {result.stderr.strip()[-300:]}"
