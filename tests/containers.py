@@ -36,6 +36,8 @@ runtime = "runc"
 cgroup_manager = "cgroupfs"
 events_logger = "file"
 """
+# The first test that needs the image builds it: about 5 minutes cold on 2 busy cores, over pytest's usual limit.
+NEEDS_THE_IMAGE = pytest.mark.timeout(900)
 PIP_SETTINGS = ("index-url", "extra-index-url", "find-links", "cert")
 SCOPE_RANK = {":env:": 3, "site": 2, "user": 1, "global": 0}  # pip's own precedence, highest wins
 

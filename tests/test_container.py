@@ -15,12 +15,13 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from containers import image, podman, processes, removed_after, require_podman, wait_until
+from containers import NEEDS_THE_IMAGE, image, podman, processes, removed_after, require_podman, wait_until
 from PIL import Image
 from serving import REPO, image_bytes
 
 from loadtests.servers import LOOPBACK, free_port
 
+pytestmark = NEEDS_THE_IMAGE
 SHM_BYTES = 256 * 1024 * 1024  # not podman's default 64 MiB
 GRACE_S = 30  # podman stop's grace period (the chart's terminationGracePeriodSeconds plays this part)
 DRAIN_S = 20

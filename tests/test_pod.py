@@ -26,12 +26,13 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from containers import IMAGE, image, podman, processes, require_podman, wait_until
+from containers import IMAGE, NEEDS_THE_IMAGE, image, podman, processes, require_podman, wait_until
 from serving import REPO, TESTS
 from tools import tool
 
 from loadtests.servers import LOOPBACK, free_port
 
+pytestmark = NEEDS_THE_IMAGE
 CHART = REPO / "charts" / "imgserve"
 VALUES = TESTS / "chart_values" / "pod.yaml"
 Manifest = dict[str, Any]
