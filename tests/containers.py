@@ -67,7 +67,7 @@ def podman(
 @functools.cache
 def unavailable() -> str | None:
     """Why podman cannot run a container on this machine, or None when it can."""
-    missing = [tool for tool in ("podman", "mmdebstrap", "runc") if shutil.which(tool) is None]
+    missing = [tool for tool in ("podman", "mmdebstrap") if shutil.which(tool) is None]  # runc: podman finds it
     if missing:
         return f"{', '.join(missing)} not installed (`make tools` installs them with apt, as root)"
     result = podman("run", "--rm", "--network", "host", base_image(), "true", check=False)
