@@ -6,6 +6,7 @@ Workarounds measured on this kind of machine: ../shared/anchors/containers.md (r
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import hashlib
@@ -46,7 +47,9 @@ SCOPE_RANK = {":env:": 3, "site": 2, "user": 1, "global": 0}  # pip's own preced
 def podman_env(shm_size: str | None = None) -> dict[str, str]:
     """The environment for podman: the configuration above in a file of its own, with a default /dev/shm size for
     `kube play` (which turns a pod's emptyDir at /dev/shm into a root-owned disk volume, so the test drops it)."""
-    conf = Path(tempfile.mkdtemp(prefix="imgserve-podman-")) / "containers.conf"
+    directory = tempfile.mkdtemp(prefix="imgserve-podman-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    conf = Path(directory) / "containers.conf"
     shm = f'shm_size = "{shm_size}"\n' if shm_size else ""
     conf.write_text(CONTAINERS_CONF.replace("[containers]\n", f"[containers]\n{shm}"))
     return {**os.environ, "CONTAINERS_CONF": str(conf)}
