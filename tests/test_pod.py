@@ -101,6 +101,7 @@ def played(path: Path, documents: list[Manifest], shm_size: str | None = None) -
 
 
 def inspect(container: str) -> Manifest:
+    """podman inspect of one container."""
     [found] = json.loads(podman("inspect", container).stdout)
     return found
 
@@ -128,6 +129,7 @@ class Pod:
 
 @pytest.fixture(scope="module")
 def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
+    """The Deployment, adapted for podman, played with the Secret it names; until the module's tests are done."""
     require_podman()
     assert image() == IMAGE
     port, key = free_port(), secrets.token_hex(16)
@@ -144,6 +146,7 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pod]:
 
 
 def _ready(container: str, url: str) -> bool:
+    """Is the pod's server ready? Fails the test with its log if the container stopped."""
     state = inspect(container)["State"]
     if state["Status"] != "running":
         logs = podman("logs", container, check=False)

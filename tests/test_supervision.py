@@ -37,6 +37,7 @@ def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> ob
 
 
 def lines_with(server: Server, text: str) -> list[str]:
+    """The server's log lines that contain `text`."""
     return [line for line in server.log().splitlines() if text in line]
 
 
@@ -62,6 +63,7 @@ class PinnedClient:
         self.post()  # connects
 
     def post(self) -> int:
+        """POST one image on this connection; the status."""
         self.connection.request("POST", "/predict", body=IMAGE, headers=PNG)
         response = self.connection.getresponse()
         response.read()
