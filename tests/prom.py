@@ -39,6 +39,7 @@ CONTRACT_METRICS = HISTOGRAMS | {
     "imgserve_rejected_total",
     "imgserve_oom_splits_total",
     "imgserve_worker_restarts_total",
+    "imgserve_front_end_restarts_total",
     "imgserve_gpu_utilization_ratio",
     "imgserve_gpu_memory_used_bytes",
     "imgserve_gpu_memory_total_bytes",

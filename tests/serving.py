@@ -75,6 +75,26 @@ class Server(RunningServer):
         """PIDs of every process below the server's main process."""
         return {process.pid for process in self.tree()[1:]}
 
+    def front_end_pids(self) -> dict[int, int]:
+        """HTTP front ends by index, each found by the answer socket it binds once it is up (handoff/answers.py)."""
+        return {int(path.rpartition("-")[2]): pid for pid, path in self._unix_sockets() if "-answers-" in path}
+
+    def queue_pid(self) -> int:
+        """LitServe's queue process (its multiprocessing Manager): the child listening on a `listener-` socket."""
+        (pid,) = {pid for pid, path in self._unix_sockets() if "/listener-" in path and pid != self.process.pid}
+        return pid
+
+    def zombies(self) -> list[int]:
+        """Processes below the server that died and were never reaped."""
+        return [process.pid for process in self.tree()[1:] if _status(process) == psutil.STATUS_ZOMBIE]
+
+    def _unix_sockets(self) -> list[tuple[int, str]]:
+        found = []
+        for process in self.tree():
+            with contextlib.suppress(psutil.Error):
+                found += [(process.pid, c.laddr) for c in process.net_connections(kind="unix") if c.laddr]
+        return found
+
     def worker_pids(self) -> list[int]:
         """Inference workers: the spawned children (spawn_main) of the server."""
         workers = []
@@ -84,6 +104,13 @@ class Server(RunningServer):
                 if "spawn_main" in command:
                     workers.append(process.pid)
         return workers
+
+
+def _status(process: psutil.Process) -> str:
+    try:
+        return process.status()
+    except psutil.Error:
+        return "gone"
 
 
 def start_server(settings: dict[str, object], log_dir: Path) -> Server:

@@ -21,7 +21,7 @@ REQUIRED_PANELS = {
     "GPU utilization": "DCGM_FI_DEV_GPU_UTIL",
     "GPU memory": "DCGM_FI_DEV_FB_USED",
     "Replicas": "kube_horizontalpodautoscaler_spec_max_replicas",
-    "OOM splits and worker restarts": "imgserve_worker_restarts_total",
+    "OOM splits and process restarts": "imgserve_front_end_restarts_total",
 }
 
 

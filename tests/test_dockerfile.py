@@ -78,14 +78,35 @@ def test_checkov_clean() -> None:
 
 def test_cuda_base_matches_torch_index() -> None:
     """A CUDA runtime (cuDNN) base, and torch pinned from the PyTorch index built for that same CUDA release."""
-    base = argument("FROM")
-    match = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-cudnn-runtime-ubuntu\d+\.\d+", base)
-    assert match, base
-    args = dict(a.split("=", 1) for k, a in instructions() if k == "ARG")
+    assert argument("FROM") == "${BASE_IMAGE}"
+    args = build_args()
+    match = re.fullmatch(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-cudnn-runtime-ubuntu\d+\.\d+", args["BASE_IMAGE"])
+    assert match, args["BASE_IMAGE"]
     assert args["TORCH_INDEX_URL"] == f"https://download.pytorch.org/whl/cu{match.group(1)}{match.group(2)}"
     assert re.fullmatch(r"\d+\.\d+\.\d+", args["TORCH_VERSION"])
     torch = '"torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"'
     assert any(torch in a for k, a in instructions() if k == "RUN")
+
+
+def build_args() -> dict[str, str | None]:
+    """ARG name -> its default (None where it has none)."""
+    found: dict[str, str | None] = {}
+    for keyword, rest in instructions():
+        if keyword == "ARG":
+            name, has_default, default = rest.partition("=")
+            found[name] = default if has_default else None
+    return found
+
+
+def test_pip_settings_pass_through_as_build_arguments() -> None:
+    """pip reads PIP_* from the environment, where build arguments are during RUN (and are not kept in the image):
+    declared in the stage, after FROM, with no default, so a build that passes none runs pip as before. The base
+    is an argument before FROM."""
+    stage = positions("FROM")[-1]
+    declared = {rest.partition("=")[0]: i for i, (keyword, rest) in enumerate(instructions()) if keyword == "ARG"}
+    assert declared["BASE_IMAGE"] < stage
+    for name in ("PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_CERT"):
+        assert declared.get(name, -1) > stage and build_args()[name] is None, name
 
 
 def test_dependencies_before_code() -> None:

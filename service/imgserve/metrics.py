@@ -72,6 +72,7 @@ SLOTS_IN_USE = Gauge(
     "imgserve_slots_in_use", "Shared-memory request slots held (answers pending)", multiprocess_mode="livesum"
 )
 WORKER_RESTARTS = Counter("imgserve_worker_restarts_total", "Inference workers restarted after dying")
+FRONT_END_RESTARTS = Counter("imgserve_front_end_restarts_total", "HTTP front ends restarted after dying")
 
 
 class PodCollector:

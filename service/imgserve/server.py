@@ -6,9 +6,14 @@ Import it only after `PROMETHEUS_MULTIPROC_DIR` is set (the `imgserve serve` com
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
+import multiprocessing as mp
 import os
+import socket
 import sys
+import threading
+import uuid
 from collections.abc import AsyncIterator
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -16,6 +21,8 @@ from typing import Any
 
 import litserve as ls
 import torch
+import uvicorn
+from litserve.server import _Server as FrontEndServer
 from litserve.utils import WorkerSetupStatus
 from starlette.routing import Route
 
@@ -37,12 +44,12 @@ from imgserve.handoff.slots import create_directory, remove_directory
 from imgserve.handoff.state import SharedState
 from imgserve.models import outputs
 from imgserve.models.loader import ModelLoadError, check_model_source
-from imgserve.supervisor.lifecycle import install_drain_on_sigterm, start_worker_monitor
+from imgserve.supervisor.children import Supervisor
+from imgserve.supervisor.lifecycle import install_drain_on_sigterm
 from imgserve.worker.api import ImageAPI
 from imgserve.worker.batching import AUTO_BATCH_CAP
 
 log = logging.getLogger(__name__)
-MAX_WORKER_RESTARTS = 3
 
 
 def resolve_device(device: str) -> str:
@@ -70,7 +77,9 @@ class ImageServer(ls.LitServer):
         # A front end may hold every admitted request, and as many again given up on whose workers still have them.
         slots_per_front_end = 2 * queue_bound(settings, self.worker_count, largest_batch)
         self.front_ends = settings.front_ends_on(self.accelerator)
-        self.state = SharedState(self.worker_count, request_slots=slots_per_front_end * self.front_ends)
+        self.state = SharedState(
+            self.worker_count, request_slots=slots_per_front_end * self.front_ends, front_ends=self.front_ends
+        )
         self.dispatcher = Dispatcher(self.state, self.slot_directory, slots_per_front_end, settings.retry_after_s)
         self.torch_threads = max(1, usable_cpus() // self.worker_count)
         api = ImageAPI(settings, self.state, self.slot_directory, self.configured_batch_size, self.torch_threads)
@@ -137,8 +146,14 @@ class ImageServer(ls.LitServer):
         """LitServe's Manager (worker status, shutdown event), with requests and answers over imgserve's datagram
         sockets instead of its queues."""
         manager = super()._init_manager(num_api_servers)
-        self.litapi_request_queues[self.lit_api.api_path] = RequestSocket(f"imgserve-{os.getpid()}")
-        self._transport = AnswerSockets(f"imgserve-{os.getpid()}", num_api_servers)
+        # Abstract socket names are per network namespace, and pids repeat across containers on the host network.
+        name = f"imgserve-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.litapi_request_queues[self.lit_api.api_path] = RequestSocket(name)
+        self._transport = AnswerSockets(name, num_api_servers)
+        self.queue_process = manager._process
+        # run() blocks on this until it is stopped (by SIGINT): a Manager event would raise EOFError the moment the
+        # queue process died, before the supervisor could answer anything.
+        self._shutdown_event = threading.Event()
         return manager
 
     @contextlib.asynccontextmanager
@@ -146,6 +161,7 @@ class ImageServer(ls.LitServer):
         """Each front end's start: its dispatcher threads instead of LitServe's thread hop per answer; the first
         also serves gRPC (--grpc-port) on its event loop, until it stops."""
         front_end = app.response_queue_id
+        self.state.serve_as(front_end)
         self.dispatcher.start(front_end, self.request_queue, self._transport.receiver(front_end))
         if front_end != 0 or not self.settings.grpc_port:
             yield
@@ -163,11 +179,40 @@ class ImageServer(ls.LitServer):
         key = f"{self.lit_api.api_path.split('/')[-1]}_{index}"
         return self.workers_setup_status.get(key) == WorkerSetupStatus.STARTING
 
-    def _start_server(self, *args: Any, **kwargs: Any) -> Any:
-        """Start the HTTP front ends (forked), then watch the inference workers."""
-        front_ends = super()._start_server(*args, **kwargs)
-        start_worker_monitor(self, MAX_WORKER_RESTARTS)
-        return front_ends
+    def _start_server(
+        self,
+        port: int,
+        num_uvicorn_servers: int,
+        log_level: str,
+        sockets: list[socket.socket],
+        uvicorn_worker_type: str,
+        **kwargs: Any,
+    ) -> dict[int, BaseProcess]:
+        """Fork the HTTP front ends (LitServe's loop, one front end at a time so that one can be replaced; always
+        processes, which is all imgserve asks for), then supervise every child. LitServe stops the front ends in
+        this dict at shutdown, replacements included."""
+        self._front_end_sockets = sockets
+        self._front_end_config = dict(port=port, log_level=log_level, **kwargs)
+        self.front_end_processes = {index: self.restart_front_end(index) for index in range(num_uvicorn_servers)}
+        Supervisor(self).start()
+        return self.front_end_processes
+
+    def restart_front_end(self, index: int) -> BaseProcess:
+        """Fork front end `index` on the listening socket, as LitServe's _start_server does for each."""
+        self.app.response_queue_id = index
+        app = copy.copy(self.app)
+        self._prepare_app_run(app)
+        config = uvicorn.Config(
+            app,
+            host=self.settings.host,
+            timeout_graceful_shutdown=self.uvicorn_graceful_timeout,
+            **self._front_end_config,
+        )
+        process = mp.get_context("fork").Process(
+            target=FrontEndServer(config=config).run, args=(index, self._front_end_sockets), name=f"LitServer-{index}"
+        )
+        process.start()
+        return process
 
     @property
     def queue_limit(self) -> int:

@@ -217,14 +217,19 @@ def rows() -> list[tuple[str, list[Builder]]]:
                     ],
                 ),
                 graph(
-                    "OOM splits and worker restarts",
-                    "Batches split after running out of GPU memory, and inference workers restarted after dying.",
+                    "OOM splits and process restarts",
+                    "Batches split after running out of GPU memory, and inference workers and HTTP front ends "
+                    "restarted after dying.",
                     "short",
                     [
                         (f"sum by (pod) (increase(imgserve_oom_splits_total{{{PODS}}}[{RATE}]))", "{{pod}} OOM splits"),
                         (
                             f"sum by (pod) (increase(imgserve_worker_restarts_total{{{PODS}}}[{RATE}]))",
                             "{{pod}} worker restarts",
+                        ),
+                        (
+                            f"sum by (pod) (increase(imgserve_front_end_restarts_total{{{PODS}}}[{RATE}]))",
+                            "{{pod}} front-end restarts",
                         ),
                     ],
                 ),

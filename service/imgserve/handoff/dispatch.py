@@ -86,7 +86,9 @@ class Dispatcher:
         first = front_end * self.slots_per_front_end
         self._free = list(range(first, first + self.slots_per_front_end))
         self._freed_at: dict[int, float] = {}  # free slots that still hold data, and since when
-        self._tickets = itertools.count(1)
+        # Tickets never repeat across front-end restarts: a request of this front end's dead predecessor still
+        # queued for its slot must not pass for a new one (one ticket a microsecond is more than a process makes).
+        self._tickets = itertools.count(time.monotonic_ns() // 1000)
         self._pending: dict[str, _Pending] = {}
         self._front_end, self._request_queue = front_end, request_queue
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -135,7 +137,8 @@ class Dispatcher:
                 raise ApiError(504, "deadline", "no answer before the request's deadline")
             if self._lost(pending):
                 metrics.REJECTED.labels("worker_lost").inc()
-                raise ApiError(503, "worker_lost", "the inference worker died", self.retry_after_s)
+                lost = "the request queue" if self.state.queue_lost else "the inference worker"
+                raise ApiError(503, "worker_lost", f"{lost} died", self.retry_after_s)
             self._resend_if_lost_in_transit(pending)
             await asyncio.wait((pending.answer,), timeout=min(remaining, WORKER_CHECK_S))
         return pending.answer.result()
@@ -151,8 +154,9 @@ class Dispatcher:
             self._outbox.put(pending.message)
 
     def _lost(self, pending: _Pending) -> bool:
+        """Will no answer come? Its worker died after it was queued, or the queue itself died."""
         worker = self.state.taken_by(pending.slot, pending.ticket)
-        return worker is not None and self.state.lost_since(worker, pending.submitted)
+        return self.state.queue_lost or (worker is not None and self.state.lost_since(worker, pending.submitted))
 
     def _release(self, index: int) -> None:
         self.files.trim(index)

@@ -13,9 +13,12 @@ _ctx = mp.get_context("spawn")
 class SharedState:
     """Exact per-pod numbers (queue depth, draining, worker health) that no single process could know alone."""
 
-    def __init__(self, workers: int, request_slots: int = 1) -> None:
-        self._depth = _ctx.Value("i", 0)
+    def __init__(self, workers: int, request_slots: int = 1, front_ends: int = 1) -> None:
+        # Admitted requests per front end, so the requests of a front end that died can be written off.
+        self._admitted = _ctx.Array("i", front_ends)
+        self._front_end = 0  # which front end this process is (set after the fork, in that process)
         self._draining = _ctx.Value("b", 0)
+        self._queue_lost = _ctx.Value("b", 0)
         self._exit_code = _ctx.Value("i", 0)
         self._batch_size = _ctx.Value("i", 0)
         self._pixel_budget = _ctx.Value("q", 0)
@@ -29,21 +32,30 @@ class SharedState:
         self._setup_failure = _ctx.Array("c", SETUP_FAILURE_BYTES)
 
     # Admission: requests admitted and not yet answered.
+    def serve_as(self, front_end: int) -> None:
+        """In a front-end process: count what this process admits as front end `front_end`'s."""
+        self._front_end = front_end
+
     def try_admit(self, limit: int, count: int = 1) -> bool:
         """Take `count` places in the queue if that many are free (all or none)."""
-        with self._depth.get_lock():
-            if self._depth.value + count > limit:
+        with self._admitted.get_lock():
+            if sum(self._admitted) + count > limit:
                 return False
-            self._depth.value += count
+            self._admitted[self._front_end] += count
             return True
 
     def release(self, count: int = 1) -> None:
-        with self._depth.get_lock():
-            self._depth.value -= count
+        with self._admitted.get_lock():
+            self._admitted[self._front_end] -= count
+
+    def forget_front_end(self, front_end: int) -> None:
+        """A front end died: its admitted requests died with their connections and will never be released."""
+        with self._admitted.get_lock():
+            self._admitted[front_end] = 0
 
     @property
     def queue_depth(self) -> int:
-        return self._depth.value
+        return sum(self._admitted[:])
 
     # Shutdown.
     @property
@@ -92,6 +104,14 @@ class SharedState:
 
     def worker_back(self, worker: int) -> None:
         self._alive[worker] = 1
+
+    def lose_queue(self) -> None:
+        """LitServe's queue process died: nothing queued will reach a worker, so every waiting request fails now."""
+        self._queue_lost.value = 1
+
+    @property
+    def queue_lost(self) -> bool:
+        return bool(self._queue_lost.value)
 
     @property
     def all_workers_alive(self) -> bool:

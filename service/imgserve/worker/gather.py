@@ -60,6 +60,8 @@ class GatheringLoop(BatchedLoop):
                 request = request_queue.get(timeout=wait_s) if wait_s > 0 else request_queue.get_nowait()
             except Empty:
                 return None
+            except (EOFError, OSError):  # the queue process died: the main process stops the server
+                raise _StopLoopError() from None
             if request == _SENTINEL_VALUE:
                 raise _StopLoopError()
             # So the front end knows which worker holds it, and fails it fast if that worker dies. A request whose
