@@ -16,8 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -161,17 +160,6 @@ def image() -> str:
         timeout=900,
     )
     return IMAGE
-
-
-def wait_until(condition: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.2) -> object:
-    """Poll `condition` until it is truthy; fail the test after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(interval_s)
-    pytest.fail(f"{what}: not within {timeout_s:.0f} s")
 
 
 def processes(name: str) -> dict[int, tuple[int, str]]:

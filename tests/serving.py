@@ -8,12 +8,13 @@ import os
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import psutil
+import pytest
 from imgserve.handoff.slots import server_directory
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -135,6 +136,17 @@ def wait_ready(server: Server, timeout: float = 90) -> None:
 
 
 stop_server = stop
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float, what: str, interval_s: float = 0.2) -> object:
+    """Poll `condition` until it is truthy; fail the test after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval_s)
+    pytest.fail(f"{what}: not within {timeout_s:.0f} s")
 
 
 @contextlib.contextmanager

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from containers import NEEDS_THE_IMAGE, image, podman, processes, removed_after, require_podman, wait_until
+from containers import NEEDS_THE_IMAGE, image, podman, processes, removed_after, require_podman
 from PIL import Image
-from serving import REPO, image_bytes
+from serving import REPO, image_bytes, wait_until
 
 from loadtests.servers import LOOPBACK, free_port
 

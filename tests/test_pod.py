@@ -26,8 +26,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from containers import IMAGE, NEEDS_THE_IMAGE, image, podman, processes, require_podman, wait_until
-from serving import REPO, TESTS
+from containers import IMAGE, NEEDS_THE_IMAGE, image, podman, processes, require_podman
+from serving import REPO, TESTS, wait_until
 from tools import tool
 
 from loadtests.servers import LOOPBACK, free_port

@@ -10,30 +10,17 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 from urllib.parse import urlsplit
 
 import httpx
 import psutil
-import pytest
-from serving import Server, image_bytes, running_server, start_server, stop_server, wait_ready
+from serving import Server, image_bytes, running_server, start_server, stop_server, wait_ready, wait_until
 
 from loadtests.closed_loop import run_closed_loop
 
 PNG = {"Content-Type": "image/png"}
 IMAGE = image_bytes(32, 24)
 REPLACED_WITHIN_S = 5.0  # the issue's bound for a replaced front end and for a server ended by a dead queue
-
-
-def wait_for(condition: Callable[[], object], timeout_s: float, what: str) -> object:
-    """Poll `condition` every 50 ms until it is truthy; fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    pytest.fail(f"{what}: not within {timeout_s} s")
 
 
 def lines_with(server: Server, text: str) -> list[str]:
@@ -44,7 +31,7 @@ def lines_with(server: Server, text: str) -> list[str]:
 def assert_all_gone(pids: set[int]) -> None:
     """The server's children are gone soon after it (the resource tracker ends once its last user has)."""
     left = lambda: [(pid, _command(pid)) for pid in pids if psutil.pid_exists(pid)]  # noqa: E731
-    wait_for(lambda: not left(), 5, f"processes left behind: {left()}")
+    wait_until(lambda: not left(), 5, f"processes left behind: {left()}")
 
 
 def _command(pid: int) -> str:
@@ -109,10 +96,11 @@ def test_killed_front_end_is_replaced_and_the_other_keeps_serving(tmp_path) -> N
         time.sleep(0.5)
         killed_at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
-        replacement = wait_for(
+        replacement = wait_until(
             lambda: (pid := server.front_end_pids().get(victim_index)) not in (None, victim) and pid,
             REPLACED_WITHIN_S,
             "the killed front end replaced",
+            interval_s=0.05,
         )
         replaced_s = time.monotonic() - killed_at
         time.sleep(0.5)
@@ -122,7 +110,7 @@ def test_killed_front_end_is_replaced_and_the_other_keeps_serving(tmp_path) -> N
         print(f"front end replaced {replaced_s:.2f} s after kill -9")
         assert statuses and set(statuses) == {200}, "requests on the other front end were disturbed"
         # The replacement serves: new connections reach it.
-        wait_for(lambda: PinnedClient(server).front_end(server) == replacement, 10, "a connection to the replacement")
+        wait_until(lambda: PinnedClient(server).front_end(server) == replacement, 10, "a connection to the replacement")
         assert server.metric("imgserve_front_end_restarts_total") == 1
         assert len(lines_with(server, f"HTTP front end {victim_index} died")) == 1
         assert server.zombies() == []
@@ -141,7 +129,7 @@ def test_default_server_answers_again_after_its_front_end_is_killed_under_load(t
         assert load.answered, load.errors()
         assert all(o.ok or o.status == 0 for o in load.outcomes), load.errors()
         assert load.failed <= 4, load.errors()  # at most each user's request in flight on the dead front end
-        wait_for(lambda: server.front_end_pids() and front_end not in server.front_end_pids().values(), 5, "replaced")
+        wait_until(lambda: server.front_end_pids() and front_end not in server.front_end_pids().values(), 5, "replaced")
         assert httpx.post(f"{server.url}/predict", content=IMAGE, headers=PNG, timeout=30).status_code == 200
         assert server.metric("imgserve_queue_depth") == 0, "the dead front end's admitted requests were not written off"
         assert server.zombies() == []
@@ -169,9 +157,9 @@ def test_front_end_that_keeps_dying_ends_the_server(tmp_path) -> None:
         wait_ready(server)
         children = server.descendants()
         for death in range(3):
-            [front_end] = wait_for(lambda: list(server.front_end_pids().values()), 5, f"front end {death + 1} up")
+            [front_end] = wait_until(lambda: list(server.front_end_pids().values()), 5, f"front end {death + 1} up")
             os.kill(front_end, signal.SIGKILL)
-            wait_for(lambda pid=front_end: pid not in server.front_end_pids().values(), 5, "the front end gone")
+            wait_until(lambda pid=front_end: pid not in server.front_end_pids().values(), 5, "the front end gone")
         assert server.process.wait(timeout=30) == 1
         assert len(lines_with(server, "3 front-end deaths in 60 s")) == 1, server.log_tail()
         assert "Traceback" not in server.log()
