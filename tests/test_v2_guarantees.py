@@ -1,6 +1,7 @@
 """/predict's guarantees on the Open Inference Protocol, HTTP and gRPC, with a slow toy model: a request's images are
 admitted whole or refused whole (503 / UNAVAILABLE with the retry advice), and deadlines (Triton's `timeout`
-parameter, X-Request-Timeout, the gRPC deadline) answer 504 / DEADLINE_EXCEEDED and drop the work before the model."""
+parameter, X-Request-Timeout, the gRPC deadline) answer 504 / DEADLINE_EXCEEDED and drop the work before the model;
+a drain answers every admitted call."""
 
 from __future__ import annotations
 
@@ -14,7 +15,6 @@ import grpc
 import httpx
 import pytest
 import toy_models
-from _pytest.monkeypatch import MonkeyPatch
 from safetensors.torch import save_file
 from serving import Server, image_bytes, running_server, start_server, stop_server, wait_ready
 from tritonclient.grpc import service_pb2, service_pb2_grpc
@@ -33,7 +33,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
     folder = tmp_path_factory.mktemp("slow")
     save_file(toy_models.Slow().state_dict(), str(folder / "Slow.safetensors"))
-    with MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TOY_DELAY_S", str(DELAY_S))
         with running_server(
             folder,
