@@ -1,5 +1,6 @@
-"""KServe's own REST client against a v2 server, run as a child process: kserve registers the same protobuf symbols
-(`inference.*`) as tritonclient.grpc, so the two cannot be imported into one process. Prints a JSON report."""
+"""KServe's own clients (REST, and gRPC when a port is given) against a v2 server, run as a child process: kserve
+registers the same protobuf symbols (`inference.*`) as tritonclient.grpc, so the two cannot be imported into one
+process. Prints a JSON report."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 
 import httpx
 import numpy as np
-from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
+from kserve import InferenceGRPCClient, InferenceRESTClient, InferInput, InferRequest, RESTConfig
 from PIL import Image
 
 
@@ -42,7 +43,24 @@ async def report(url: str, model: str, image: bytes) -> dict:
         return found
 
 
+async def grpc_report(address: str, model: str, image: bytes) -> dict:
+    """What KServe's gRPC client saw (its own generated stubs against the server's Triton ones): readiness and one
+    inference of raw JPEG bytes."""
+    async with InferenceGRPCClient(address, timeout=60) as client:
+        found = {"ready": await client.is_server_ready(), "model_ready": await client.is_model_ready(model)}
+        tensor = InferInput("image", [1, 1], "BYTES")
+        tensor.set_data_from_numpy(np.array([[image]], dtype=object))
+        answer = await client.infer(InferRequest(model, [tensor], request_id="g1"))
+        (data,) = answer.outputs[0].as_numpy().reshape(-1)
+        found["infer"] = {"id": answer.id, "size": Image.open(io.BytesIO(data)).size}
+        return found
+
+
 if __name__ == "__main__":
-    url, model, path = sys.argv[1:4]
+    url, model, path, *grpc_address = sys.argv[1:5]
     with open(path, "rb") as file:
-        print(json.dumps(asyncio.run(report(url, model, file.read()))))
+        image = file.read()
+    found = asyncio.run(report(url, model, image))
+    if grpc_address:
+        found["grpc"] = asyncio.run(grpc_report(grpc_address[0], model, image))
+    print(json.dumps(found))

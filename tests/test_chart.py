@@ -401,10 +401,11 @@ def test_monitoring_objects_select_the_server() -> None:
 
 
 def test_network_policy_admits_helm_test_when_restricted() -> None:
-    """With allowedFrom set, the policy still lets the helm test Pod and the metrics peers in, on the http port."""
+    """With allowedFrom set, the policy still lets the helm test Pod and the metrics peers in, on the http port (and
+    gRPC's)."""
     policy = one("keda-dcgm", "NetworkPolicy")
     (rule,) = policy["spec"]["ingress"]
-    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}, {"port": "grpc", "protocol": "TCP"}]
     test_labels = one("keda-dcgm", "Pod")["metadata"]["labels"]
     selectors = [peer["podSelector"]["matchLabels"] for peer in rule["from"] if "podSelector" in peer]
     assert any(s.items() <= test_labels.items() for s in selectors)

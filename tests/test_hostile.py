@@ -293,9 +293,17 @@ def test_good_requests_keep_their_connection(server: Server) -> None:
             assert answer.status == 200 and "connection" not in answer.headers
 
 
-def test_a_full_pod_sheds_at_the_headers_and_keeps_the_connection(tmp_path, toy_model, monkeypatch) -> None:
+@pytest.mark.parametrize(("path", "route"), [("/predict", "/predict"), ("/v2/models/Slow/infer", "/v2/infer")])
+def test_a_full_pod_sheds_at_the_headers_and_keeps_the_connection(
+    tmp_path, toy_model, monkeypatch, path: str, route: str
+) -> None:
     """503 from the connection layer: the body skipped, the connection kept for the retry (closed when the body is
-    chunked, as its length is unknown); a client back before its Retry-After gets its next 503 when it is up."""
+    chunked, as its length is unknown); a client back before its Retry-After gets its next 503 when it is up. The
+    same for the Open Inference Protocol's infer route, in its own envelope."""
+
+    def queue_full(answer: Answer) -> bool:
+        return answer.code == "queue_full" if route == "/predict" else v2_error(answer) == "the queue is full"
+
     monkeypatch.setenv("TOY_DELAY_S", "6.0")
     settings = dict(max_batch_size=1, max_queue_depth=1, workers_per_device=1, batch_timeout_ms=0)
     with running_server(tmp_path, **settings, **toy_model("Slow")) as server, ThreadPoolExecutor(1) as pool:
@@ -307,21 +315,21 @@ def test_a_full_pod_sheds_at_the_headers_and_keeps_the_connection(tmp_path, toy_
         with connect(server) as sock:
             answered_at = []
             for _ in range(3):  # resent at once: the second and third 503 wait for the Retry-After of 1 s
-                sock.sendall(request_head(length=len(GOOD)) + GOOD)
+                sock.sendall(request_head(path, length=len(GOOD)) + GOOD)
                 answer = read_answer(sock)
                 answered_at.append(time.monotonic())
-                assert (answer.status, answer.code, answer.headers["retry-after"]) == (503, "queue_full", "1")
+                assert (answer.status, answer.headers["retry-after"]) == (503, "1") and queue_full(answer)
                 assert "connection" not in answer.headers
             assert all(later - earlier > 0.8 for earlier, later in itertools.pairwise(answered_at)), answered_at
-            sock.sendall(request_head(extra="Transfer-Encoding: chunked\r\n") + b"10\r\n" + b"\0" * 16 + b"\r\n")
+            sock.sendall(request_head(path, extra="Transfer-Encoding: chunked\r\n") + b"10\r\n" + b"\0" * 16 + b"\r\n")
             answer = read_answer(sock)
-            assert (answer.status, answer.code, answer.headers["connection"]) == (503, "queue_full", "close")
+            assert (answer.status, answer.headers["connection"]) == (503, "close") and queue_full(answer)
         with connect(server) as sock:  # a client waiting for 100 Continue sends no body after a 503: close
-            sock.sendall(request_head(length=len(GOOD), extra="Expect: 100-continue\r\n"))
+            sock.sendall(request_head(path, length=len(GOOD), extra="Expect: 100-continue\r\n"))
             answer = read_answer(sock)
-            assert (answer.status, answer.code, answer.headers["connection"]) == (503, "queue_full", "close")
+            assert (answer.status, answer.headers["connection"]) == (503, "close") and queue_full(answer)
         assert held.result() == 200
-        assert server.metric("imgserve_requests_total", route="/predict", code="503") == 5
+        assert server.metric("imgserve_requests_total", route=route, code="503") == 5
         assert server.metric("imgserve_rejected_total", reason="queue_full") == 5
 
 

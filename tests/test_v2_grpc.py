@@ -4,6 +4,9 @@ generated stub: health, metadata, ModelConfig, raw and typed tensors, status cod
 from __future__ import annotations
 
 import io
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import grpc
@@ -11,7 +14,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 from PIL import Image
-from serving import Server, image_bytes, running_server
+from serving import TESTS, Server, image_bytes, running_server
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
@@ -154,3 +157,14 @@ def test_api_keys_model_name_and_two_front_ends(tmp_path) -> None:
         assert httpx.post(infer, json={"inputs": []}, headers={"Authorization": "Bearer k1"}).status_code == 400
         assert httpx.get(f"{server.url}/v2/health/ready").status_code == 200
         assert httpx.get(f"{server.url}/v2/models/{MODEL}").status_code == 404
+
+
+def test_kserves_grpc_client(server: Server, tmp_path) -> None:
+    """KServe's InferenceGRPCClient (its own stubs from grpc_predict_v2.proto) reads readiness and infers."""
+    path = tmp_path / "photo.jpg"
+    path.write_bytes(image_bytes(40, 30, "JPEG"))
+    command = [sys.executable, str(TESTS / "kserve_client.py"), server.url, MODEL, str(path)]
+    run = subprocess.run([*command, f"127.0.0.1:{server.grpc_port}"], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    found = json.loads(run.stdout)["grpc"]
+    assert found == {"ready": True, "model_ready": True, "infer": {"id": "g1", "size": [40, 30]}}

@@ -1,10 +1,12 @@
 """/predict's guarantees on the Open Inference Protocol, HTTP and gRPC, with a slow toy model: a request's images are
 admitted whole or refused whole (503 / UNAVAILABLE with the retry advice), and deadlines (Triton's `timeout`
-parameter, X-Request-Timeout, the gRPC deadline) answer 504 / DEADLINE_EXCEEDED and drop the work before the model."""
+parameter, X-Request-Timeout, the gRPC deadline) answer 504 / DEADLINE_EXCEEDED and drop the work before the model;
+a drain answers every admitted call."""
 
 from __future__ import annotations
 
 import base64
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -12,7 +14,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 import httpx
 import pytest
-from serving import Server, image_bytes, running_server
+import toy_models
+from safetensors.torch import save_file
+from serving import Server, image_bytes, running_server, start_server, stop_server, wait_ready
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from loadtests.servers import free_port
@@ -25,12 +29,11 @@ QUEUE = 4
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     import toy_models
-    from _pytest.monkeypatch import MonkeyPatch
     from safetensors.torch import save_file
 
     folder = tmp_path_factory.mktemp("slow")
     save_file(toy_models.Slow().state_dict(), str(folder / "Slow.safetensors"))
-    with MonkeyPatch.context() as patch:
+    with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TOY_DELAY_S", str(DELAY_S))
         with running_server(
             folder,
@@ -134,3 +137,31 @@ def test_a_grpc_server_side_deadline_is_deadline_exceeded(server: Server, stub) 
         stub.ModelInfer(request, timeout=30)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     settle(server)
+
+
+def test_sigterm_answers_in_flight_grpc_calls_and_refuses_new_ones(tmp_path, monkeypatch) -> None:
+    """Draining: every admitted gRPC call gets its answer, a new one UNAVAILABLE, then the server exits 0."""
+    save_file(toy_models.Slow().state_dict(), str(tmp_path / "Slow.safetensors"))
+    monkeypatch.setenv("TOY_DELAY_S", "0.7")
+    settings = dict(model=str(tmp_path / "Slow.safetensors"), model_factory="toy_models:Slow", max_batch_size=1)
+    server = start_server(
+        {**settings, "batch_timeout_ms": 0, "drain_timeout_s": 20, "grpc_port": free_port()}, tmp_path
+    )
+    try:
+        wait_ready(server)
+        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+            in_flight = [stub.ModelInfer.future(grpc_request(1), timeout=30) for _ in range(3)]
+            wait_for_depth(server, 3)
+            server.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=5).ready:
+                assert time.monotonic() < deadline, "the server never started draining"
+                time.sleep(0.05)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.ModelInfer(grpc_request(1), timeout=10)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert [len(call.result().raw_output_contents) for call in in_flight] == [1, 1, 1]
+        assert server.process.wait(timeout=30) == 0
+    finally:
+        stop_server(server)

@@ -129,6 +129,7 @@ def _bytes_input(data: list, datatype: str = "BYTES", shape: list | None = None,
 
 
 B64 = base64.b64encode(image_bytes(16, 16)).decode()
+BIG = base64.b64encode(image_bytes(400, 300, seed=9)).decode()  # decoded in the thread pool (over 32 KiB)
 BAD_REQUESTS = {
     "not json": (dict(content=b"{"), 400),
     "no inputs": (dict(json={"inputs": []}), 400),
@@ -178,6 +179,8 @@ BAD_REQUESTS = {
     "unsupported encoding": (dict(content=b"{}", headers={"Content-Encoding": "br"}), 415),
     "broken gzip": (dict(content=gzip.compress(b'{"inputs": []}')[:-8], headers={"Content-Encoding": "gzip"}), 400),
     "too many images": (dict(json=_bytes_input([B64] * 300)), 413),
+    "one bad image in a batch": (dict(json=_bytes_input([B64, base64.b64encode(b"hello world").decode(), B64])), 400),
+    "one truncated large image in a batch": (dict(json=_bytes_input([BIG, BIG[: len(BIG) // 2], BIG])), 400),
 }
 
 
@@ -189,6 +192,7 @@ def test_bad_requests_get_the_protocols_error(server: Server, case: str) -> None
     assert response.headers["content-type"] == "application/json"
     assert list(response.json()) == ["error"] and isinstance(response.json()["error"], str)
     assert httpx.get(f"{server.url}/v2/health/ready").json() == {"ready": True}
+    assert server.slots_freed() and server.metric("imgserve_queue_depth") == 0
 
 
 @pytest.mark.parametrize(

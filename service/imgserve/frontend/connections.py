@@ -5,11 +5,12 @@ httptools bounds neither headers nor time, so each connection here is held to: `
 `body_timeout_s` of silence and `min_upload_rate` within a body (408). Each refusal is a pre-built JSON error
 with `Connection: close`, then a lingering close (our side shut, the client's late bytes read and dropped for a
 moment) so that a client still sending reads its answer instead of a reset. An answer sent before the body is in
-always carries `Connection: close`. A predict request that the pod cannot take (queue full, draining) is answered
-503 here, before any ASGI work, and its body is skipped, keeping the connection for the client's retry. A client
-that comes back on the same connection sooner than the Retry-After it was given gets its next 503 only once that
-time is up: a retry storm of clients that resend at once costs the pod one answer per client per Retry-After, not
-as many as the clients can send (and the clients' own CPU, where they share the machine).
+always carries `Connection: close`. An inference request (/predict, v2 HTTP infer) that the pod cannot take
+(queue full, draining) is answered 503 here, before any ASGI work, and its body is skipped, keeping the connection
+for the client's retry (on /v2 routes in the protocol's envelope). A client that comes back on the same connection
+sooner than the Retry-After it was given gets its next 503 only once that time is up: a retry storm of clients
+that resend at once costs the pod one answer per client per Retry-After, not as many as the clients can send (and
+the clients' own CPU, where they share the machine).
 
 Built on uvicorn's HttpToolsProtocol internals: pyproject.toml pins the uvicorn versions it was tested with.
 """
@@ -73,7 +74,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     settings: ClassVar[Settings]
     admission: ClassVar[Admission]
     refusals: ClassVar[dict[str, tuple[ApiError, bytes]]]  # pre-built answers by name
-    shed_counts: ClassVar[dict[bytes, Any]]  # imgserve_requests_total{route, code="503"} of each predict path
+    shed_counts: ClassVar[dict[str, Any]]  # imgserve_requests_total{route, code="503"} of each inference route
 
     @classmethod
     def configured(cls, settings: Settings, admission: Admission) -> type[GuardedHttpToolsProtocol]:
@@ -95,7 +96,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         refusals |= {
             f"{key}+v2": (e, raw_response(e, "keep-alive" not in key, v2=True)) for key, (e, _) in refusals.items()
         }
-        shed_counts = {path.encode(): metrics.REQUESTS.labels(path, "503") for path in metrics.PREDICT_PATHS}
+        shed_counts = {route: metrics.REQUESTS.labels(route, "503") for route in metrics.INFER_ROUTES}
         attributes = {"settings": settings, "admission": admission, "refusals": refusals, "shed_counts": shed_counts}
         return type(cls.__name__, (cls,), attributes)
 
@@ -229,20 +230,21 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
             raise _Refused
 
     def _shed_here(self) -> bool:
-        """Answer 503 now, without ASGI, if this is a predict request the pod cannot take."""
-        path = self.url.partition(b"?")[0]
-        if path not in self.shed_counts or self.parser.get_method() != b"POST":
+        """Answer 503 now, without ASGI, if this is an inference request the pod cannot take."""
+        route = metrics.route(self.url.partition(b"?")[0].decode("latin-1"))
+        if route not in self.shed_counts or self.parser.get_method() != b"POST":
             return False
         if self.cycle and not self.cycle.response_complete:  # pipelined: answers must keep their order
             return False
         reason = self.admission.shed_reason()
         if reason is None:
             return False
-        self.shed_counts[path].inc()
+        self.shed_counts[route].inc()
         self._shed = True
         # Skip the body and keep the connection, unless the body is unbounded or will never come (Expect: 100).
         if not self.expect_100_continue and self._declared_length() <= self.settings.max_body_bytes:
-            self._shed_keeping_connection(self.refusals[f"{reason}+keep-alive"][1])
+            envelope = "+v2" if route == metrics.V2_INFER else ""
+            self._shed_keeping_connection(self.refusals[f"{reason}+keep-alive{envelope}"][1])
         else:
             self._refuse(reason)
         return True

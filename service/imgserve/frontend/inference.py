@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -53,17 +53,14 @@ class Inference:
             async with contextlib.AsyncExitStack() as stack:
                 slots = [await stack.enter_async_context(self.dispatcher.slot()) for _ in images]
                 inline = [_size(image) <= INLINE_CODEC_BYTES for image in images]
-                geometries = [
-                    await _call(small, self._decode_into, image, slot)
+                # Large images decode side by side in the thread pool; every decode ends before a slot is let go.
+                geometries = await _all(
+                    _call(small, self._decode_into, image, slot)
                     for small, image, slot in zip(inline, images, slots, strict=True)
-                ]
-                answers = await asyncio.gather(
-                    *(slot.submit(shape, deadline) for slot, (shape, _) in zip(slots, geometries, strict=True)),
-                    return_exceptions=True,
                 )
-                for answer in answers:
-                    if isinstance(answer, BaseException):
-                        raise answer
+                answers = await _all(
+                    slot.submit(shape, deadline) for slot, (shape, _) in zip(slots, geometries, strict=True)
+                )
                 return [
                     await _call(small, self._finish, finish, slot, answer, geometry)
                     for small, slot, answer, (_, geometry) in zip(inline, slots, answers, geometries, strict=True)
@@ -86,6 +83,15 @@ class Inference:
     def _finish(finish: Callable[[Any, Geometry], T], slot: Slot, answer: Any, geometry: Geometry) -> T:
         """The worker's result, read from the slot when it lies there, through `finish`."""
         return finish(slot.result(answer), geometry)
+
+
+async def _all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
+    """Await them all side by side, each to its end; then raise the first failure, if any."""
+    results = await asyncio.gather(*awaitables, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
 
 
 def _size(image: Image) -> int:
