@@ -143,6 +143,7 @@ def console_script_server(settings: dict[str, object], cwd: Path) -> Server:
     port = free_port()
     flags = [arg for name, value in settings.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
     command = [str(Path(sys.executable).parent / "imgserve"), "serve", "--host", "127.0.0.1", "--port", str(port)]
+    command += ["--grpc-port", "0"]  # the default 8001 may be another server's
     env = {k: v for k, v in os.environ.items() if not k.startswith("IMGSERVE_") and k != "PROMETHEUS_MULTIPROC_DIR"}
     env["PYTHONPATH"] = os.pathsep.join([str(SOURCE), str(TESTS)])  # this worktree's imgserve; not the cwd
     log_path = cwd / "imgserve.log"

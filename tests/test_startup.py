@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -74,6 +75,17 @@ def test_files_torch_cannot_read_and_bad_labels_are_refused_before_any_worker(tm
         result = imgserve(*flags, cwd=tmp_path)
         last = result.stderr.strip().splitlines()[-1]
         assert result.returncode == 2 and message in last and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_grpc_port_in_use_is_one_line_and_exit_2() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = imgserve("--grpc-port", str(port))
+    last = result.stderr.strip().splitlines()[-1]
+    expected = f"imgserve: --grpc-port {port} is already in use on 127.0.0.1 (0 turns gRPC off)"
+    assert result.returncode == 2 and last.endswith(expected) and "Traceback" not in result.stderr, result.stderr
 
 
 def failed_start(settings: dict[str, object], log_dir: Path) -> list[str]:

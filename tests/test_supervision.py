@@ -197,3 +197,19 @@ def test_dead_queue_process_answers_503_and_ends_the_server(tmp_path, toy_model)
         assert_all_gone(children)
     finally:
         stop_server(server)
+
+
+def test_ctrl_c_stops_every_child_without_taking_them_for_dead(tmp_path) -> None:
+    """SIGINT is a stop, not a failure: no child is 'restarted' on the way out, and none is left behind."""
+    server = start_server({}, tmp_path)
+    try:
+        wait_ready(server)
+        assert httpx.post(f"{server.url}/predict", content=IMAGE, headers=PNG, timeout=30).status_code == 200
+        children = {process.pid for process in server.tree()[1:]}
+        server.process.send_signal(signal.SIGINT)
+        server.process.wait(timeout=60)
+        assert lines_with(server, "died") == [] and lines_with(server, "Started server process") != []
+        assert len(lines_with(server, "Started server process")) == 1, server.log_tail()
+        assert_all_gone(children)
+    finally:
+        stop_server(server)

@@ -83,6 +83,7 @@ class ImageServer(ls.LitServer):
         self.dispatcher = Dispatcher(self.state, self.slot_directory, slots_per_front_end, settings.retry_after_s)
         self.torch_threads = max(1, usable_cpus() // self.worker_count)
         api = ImageAPI(settings, self.state, self.slot_directory, self.configured_batch_size, self.torch_threads)
+        self.supervisor = Supervisor(self)  # started with the front ends (_start_server)
         self.admission = Admission(self.state, settings, lambda: self.queue_limit)
         super().__init__(
             api,
@@ -194,8 +195,14 @@ class ImageServer(ls.LitServer):
         self._front_end_sockets = sockets
         self._front_end_config = dict(port=port, log_level=log_level, **kwargs)
         self.front_end_processes = {index: self.restart_front_end(index) for index in range(num_uvicorn_servers)}
-        Supervisor(self).start()
+        self.supervisor.start()
         return self.front_end_processes
+
+    def _perform_graceful_shutdown(self, *args: Any, **kwargs: Any) -> None:
+        """LitServe's shutdown (Ctrl-C, or the end of a drain), with the supervisor stopped first so that the children
+        it stops are not taken for dead ones and replaced."""
+        self.supervisor.stop()
+        super()._perform_graceful_shutdown(*args, **kwargs)
 
     def restart_front_end(self, index: int) -> BaseProcess:
         """Fork front end `index` on the listening socket, as LitServe's _start_server does for each."""
@@ -248,6 +255,19 @@ class ImageServer(ls.LitServer):
         }
 
 
+def port_free(host: str, port: int) -> bool:
+    """Can a server bind `host:port`? (The HTTP port LitServe binds itself; the gRPC port its first front end binds
+    later, where a clash would only show as a front end that keeps dying.)"""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def serve(settings: Settings) -> int:
     """Run until SIGTERM/SIGINT; the exit code is 0 after a clean drain, 1 if workers kept dying."""
     settings.configure_logging()
@@ -261,6 +281,11 @@ def serve(settings: Settings) -> int:
         read_keys(settings)
     except OSError as exc:
         log.error("imgserve: cannot read --api-key-file: %s", exc)
+        return 2
+    if settings.grpc_port and not port_free(settings.host, settings.grpc_port):
+        log.error(
+            "imgserve: --grpc-port %d is already in use on %s (0 turns gRPC off)", settings.grpc_port, settings.host
+        )
         return 2
     slot_directory = create_directory(os.getpid())
     try:

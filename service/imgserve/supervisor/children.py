@@ -51,19 +51,27 @@ class Supervisor:
         self.worker_restarts = 0
         self.warming: set[int] = set()  # restarted workers still loading their model
         self.front_end_deaths: collections.deque[float] = collections.deque(maxlen=FRONT_END_DEATHS)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self.watch, name="imgserve-supervisor", daemon=True)
 
     def start(self) -> None:
-        threading.Thread(target=self.watch, name="imgserve-supervisor", daemon=True).start()
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop watching before the children are stopped on purpose (Ctrl-C): their exits are not deaths."""
+        self._stopping.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5 * POLL_S)
 
     def watch(self) -> None:
-        """Check every child each POLL_S; returns when the server drains or a failure ends it."""
-        while not self.server.state.draining:
+        """Check every child each POLL_S; returns when the server drains or stops, or a failure ends it."""
+        while not (self.server.state.draining or self._stopping.is_set()):
             try:
                 if not (self.queue_alive() and self.check_front_ends() and self.check_workers()):
                     return
             except (EOFError, ConnectionError):  # the queue process died mid-check: the next round ends the server
                 pass
-            time.sleep(POLL_S)
+            self._stopping.wait(POLL_S)
 
     def queue_alive(self) -> bool:
         """LitServe's queue process (its Manager) is irreplaceable: without it, answer what waits with 503 and end."""
