@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 from PIL import Image
-from serving import TESTS, Server, image_bytes, running_server
+from serving import TESTS, Server, grpc_stub, image_bytes, running_server
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
@@ -38,8 +38,8 @@ def client(server: Server) -> triton.InferenceServerClient:
 
 @pytest.fixture(scope="module")
 def stub(server: Server) -> Iterator[service_pb2_grpc.GRPCInferenceServiceStub]:
-    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
-        yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    with grpc_stub(server) as found:
+        yield found
 
 
 def images_input(*images: bytes) -> triton.InferInput:
@@ -159,12 +159,17 @@ def test_api_keys_model_name_and_two_front_ends(tmp_path) -> None:
         assert httpx.get(f"{server.url}/v2/models/{MODEL}").status_code == 404
 
 
-def test_kserves_grpc_client(server: Server, tmp_path) -> None:
-    """KServe's InferenceGRPCClient (its own stubs from grpc_predict_v2.proto) reads readiness and infers."""
+def test_kserves_clients(server: Server, tmp_path) -> None:
+    """KServe's InferenceRESTClient reads the health bodies, infers over binary and JSON and shows our message;
+    its InferenceGRPCClient (its own stubs, from grpc_predict_v2.proto) reads readiness and infers."""
     path = tmp_path / "photo.jpg"
     path.write_bytes(image_bytes(40, 30, "JPEG"))
     command = [sys.executable, str(TESTS / "kserve_client.py"), server.url, MODEL, str(path)]
     run = subprocess.run([*command, f"127.0.0.1:{server.grpc_port}"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    found = json.loads(run.stdout)["grpc"]
-    assert found == {"ready": True, "model_ready": True, "infer": {"id": "g1", "size": [40, 30]}}
+    found = json.loads(run.stdout)
+    assert found["live"] and found["ready"] and found["model_ready"]
+    assert found["binary"] == {"id": "k1", "size": [40, 30]}
+    assert found["json"] == {"size": [40, 30]}
+    assert "unknown model 'no-such-model'" in found["error"] and "404" in found["error"]
+    assert found["grpc"] == {"ready": True, "model_ready": True, "infer": {"id": "g1", "size": [40, 30]}}
