@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 from PIL import Image
-from serving import TESTS, Server, grpc_stub, image_bytes, running_server
+from serving import TESTS, Server, image_bytes, running_server
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
@@ -34,12 +34,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def client(server: Server) -> triton.InferenceServerClient:
     return triton.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-
-
-@pytest.fixture(scope="module")
-def stub(server: Server) -> Iterator[service_pb2_grpc.GRPCInferenceServiceStub]:
-    with grpc_stub(server) as found:
-        yield found
 
 
 def images_input(*images: bytes) -> triton.InferInput:

@@ -17,7 +17,7 @@ import pytest
 import toy_models
 from safetensors.torch import save_file
 from serving import Server, grpc_stub, image_bytes, running_server, start_server, stop_server, wait_ready
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.grpc import service_pb2
 
 from loadtests.servers import free_port
 
@@ -46,12 +46,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             max_queue_depth=QUEUE,
         ) as running:
             yield running
-
-
-@pytest.fixture(scope="module")
-def stub(server: Server) -> Iterator[service_pb2_grpc.GRPCInferenceServiceStub]:
-    with grpc_stub(server) as found:
-        yield found
 
 
 def v2_body(images: int, **parameters: object) -> dict:
