@@ -1,5 +1,6 @@
-"""The Open Inference Protocol over gRPC against a real server, with Triton's client (tritonclient.grpc) and the raw
-generated stub: health, metadata, ModelConfig, raw and typed tensors, status codes, API keys, metric labels."""
+"""The Open Inference Protocol over gRPC against a real server, with Triton's client (tritonclient.grpc), the raw
+generated stub and KServe's clients (REST and gRPC): health, metadata, ModelConfig, raw and typed tensors, status
+codes, API keys, metric labels."""
 
 from __future__ import annotations
 
