@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from safetensors.torch import save_file
-from serving import Server, running_server
+from serving import Server, grpc_stub, running_server
 
 
 @pytest.fixture(scope="module")
@@ -21,6 +22,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         batch_timeout_ms=20,
     ) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def stub(server: Server) -> Iterator[Any]:
+    """Triton's generated gRPC stub on the module's server (one started with a gRPC port)."""
+    with grpc_stub(server) as found:
+        yield found
 
 
 @pytest.fixture

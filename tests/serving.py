@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -128,6 +129,16 @@ def start_server(settings: dict[str, object], log_dir: Path) -> Server:
             imgserve_command(port, grpc_port), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
     return Server(f"http://127.0.0.1:{port}", process, log_path, grpc_port)
+
+
+@contextlib.contextmanager
+def grpc_stub(server: Server) -> Iterator[Any]:
+    """Triton's generated gRPC stub on the server's gRPC port (imported here only when a test asks for it)."""
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
 
 
 def wait_ready(server: Server, timeout: float = 90) -> None:

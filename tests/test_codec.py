@@ -7,7 +7,7 @@ import io
 import numpy as np
 import pytest
 from imgserve.errors import ApiError
-from imgserve.frontend.codec import choose_format, decode_image, encode_image
+from imgserve.frontend.codec import choose_format, decode_image, encode_image, prepare_pixels
 from imgserve.models.preprocess import Preprocess
 from PIL import Image
 
@@ -83,3 +83,16 @@ def test_choose_format() -> None:
     assert choose_format("png", "image/webp", "jpeg") == "png"
     assert choose_format(None, "image/webp;q=0.8, image/png", "jpeg") == "webp"
     assert choose_format(None, "application/json", "jpeg") == "jpeg"
+
+
+def test_decoded_pixels_meet_the_same_limit_and_preprocessing() -> None:
+    """A v2 UINT8 tensor is held to the pixel limit, and resized and cropped as an upload would be."""
+    pixels = np.zeros((30, 40, 3), dtype=np.uint8)
+    with pytest.raises(ApiError) as caught:
+        prepare_pixels(pixels, max_pixels=1000)
+    assert caught.value.status == 413
+    with pytest.raises(ApiError) as caught:
+        prepare_pixels(np.zeros((0, 5, 3), dtype=np.uint8), LIMIT)
+    assert caught.value.status == 400
+    prepared = prepare_pixels(pixels, LIMIT, Preprocess(resize_size=20, input_size=16))
+    assert prepared.pixels.shape == (16, 16, 3) and prepared.geometry.original == (40, 30)

@@ -1,5 +1,6 @@
-"""The Open Inference Protocol over gRPC against a real server, with Triton's client (tritonclient.grpc) and the raw
-generated stub: health, metadata, ModelConfig, raw and typed tensors, status codes, API keys, metric labels."""
+"""The Open Inference Protocol over gRPC against a real server, with Triton's client (tritonclient.grpc), the raw
+generated stub and KServe's clients (REST and gRPC): health, metadata, ModelConfig, raw and typed tensors, status
+codes, API keys, metric labels."""
 
 from __future__ import annotations
 
@@ -34,12 +35,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def client(server: Server) -> triton.InferenceServerClient:
     return triton.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
-
-
-@pytest.fixture(scope="module")
-def stub(server: Server) -> Iterator[service_pb2_grpc.GRPCInferenceServiceStub]:
-    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
-        yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
 
 
 def images_input(*images: bytes) -> triton.InferInput:
@@ -159,12 +154,17 @@ def test_api_keys_model_name_and_two_front_ends(tmp_path) -> None:
         assert httpx.get(f"{server.url}/v2/models/{MODEL}").status_code == 404
 
 
-def test_kserves_grpc_client(server: Server, tmp_path) -> None:
-    """KServe's InferenceGRPCClient (its own stubs from grpc_predict_v2.proto) reads readiness and infers."""
+def test_kserves_clients(server: Server, tmp_path) -> None:
+    """KServe's InferenceRESTClient reads the health bodies, infers over binary and JSON and shows our message;
+    its InferenceGRPCClient (its own stubs, from grpc_predict_v2.proto) reads readiness and infers."""
     path = tmp_path / "photo.jpg"
     path.write_bytes(image_bytes(40, 30, "JPEG"))
     command = [sys.executable, str(TESTS / "kserve_client.py"), server.url, MODEL, str(path)]
     run = subprocess.run([*command, f"127.0.0.1:{server.grpc_port}"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-    found = json.loads(run.stdout)["grpc"]
-    assert found == {"ready": True, "model_ready": True, "infer": {"id": "g1", "size": [40, 30]}}
+    found = json.loads(run.stdout)
+    assert found["live"] and found["ready"] and found["model_ready"]
+    assert found["binary"] == {"id": "k1", "size": [40, 30]}
+    assert found["json"] == {"size": [40, 30]}
+    assert "unknown model 'no-such-model'" in found["error"] and "404" in found["error"]
+    assert found["grpc"] == {"ready": True, "model_ready": True, "infer": {"id": "g1", "size": [40, 30]}}

@@ -16,8 +16,8 @@ import httpx
 import pytest
 import toy_models
 from safetensors.torch import save_file
-from serving import Server, image_bytes, running_server, start_server, stop_server, wait_ready
-from tritonclient.grpc import service_pb2, service_pb2_grpc
+from serving import Server, grpc_stub, image_bytes, running_server, start_server, stop_server, wait_ready
+from tritonclient.grpc import service_pb2
 
 from loadtests.servers import free_port
 
@@ -46,12 +46,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
             max_queue_depth=QUEUE,
         ) as running:
             yield running
-
-
-@pytest.fixture(scope="module")
-def stub(server: Server) -> Iterator[service_pb2_grpc.GRPCInferenceServiceStub]:
-    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
-        yield service_pb2_grpc.GRPCInferenceServiceStub(channel)
 
 
 def v2_body(images: int, **parameters: object) -> dict:
@@ -149,8 +143,7 @@ def test_sigterm_answers_in_flight_grpc_calls_and_refuses_new_ones(tmp_path, mon
     )
     try:
         wait_ready(server)
-        with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
-            stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        with grpc_stub(server) as stub:
             in_flight = [stub.ModelInfer.future(grpc_request(1), timeout=30) for _ in range(3)]
             wait_for_depth(server, 3)
             server.process.send_signal(signal.SIGTERM)

@@ -8,15 +8,13 @@ import gzip
 import io
 import json
 import struct
-import subprocess
-import sys
 
 import httpx
 import numpy as np
 import pytest
 import tritonclient.http as triton
 from PIL import Image
-from serving import TESTS, Server, image_bytes, running_server
+from serving import Server, image_bytes, running_server
 from tritonclient.utils import InferenceServerException
 
 MODEL = "denoiser"
@@ -245,24 +243,6 @@ def test_classifier_scores_and_the_classification_extension(tmp_path, toy_model)
             best = int(expected.argmax())
             assert int(index) == best and label == ["cat", "dog", "fish", "bird"][best]
             assert float(score) == pytest.approx(expected[best], abs=1e-5)
-
-
-def test_kserves_rest_client(server: Server, tmp_path) -> None:
-    """KServe's InferenceRESTClient reads the health bodies, infers over binary and JSON, and shows our message."""
-    path = tmp_path / "photo.jpg"
-    path.write_bytes(image_bytes(40, 30, "JPEG"))
-    run = subprocess.run(
-        [sys.executable, str(TESTS / "kserve_client.py"), server.url, MODEL, str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert run.returncode == 0, run.stderr
-    found = json.loads(run.stdout)
-    assert found["live"] and found["ready"] and found["model_ready"]
-    assert found["binary"] == {"id": "k1", "size": [40, 30]}
-    assert found["json"] == {"size": [40, 30]}
-    assert "unknown model 'no-such-model'" in found["error"] and "404" in found["error"]
 
 
 def test_segmentation_answers_a_mask_per_image(tmp_path, toy_model) -> None:

@@ -4,8 +4,8 @@ Two separate bounds, so that slow uploads cannot hold the capacity complete requ
 bodies are being received at once (per front-end process), and a request's images take their places in the pod's
 queue (`max_queue_depth`, what `imgserve_queue_depth` counts) only once its whole body is in and parsed
 (frontend/inference.py, one place per image). A pod already full or draining answers 503 before reading the body
-(the connection layer does it even earlier for /predict, see connections.py). This holds for every inference
-route: /predict and the Open Inference Protocol's HTTP infer.
+(the connection layer does it even earlier, see connections.py). This holds for every inference route: /predict
+and the Open Inference Protocol's HTTP infer (gRPC goes straight to frontend/inference.py).
 """
 
 from __future__ import annotations
