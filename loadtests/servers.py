@@ -51,6 +51,15 @@ class RunningServer:
             return [main, *main.children(recursive=True)]
         return []
 
+    def tree_pss(self) -> int:
+        """Proportional set size of the whole process tree, in bytes: each page is charged 1/k to each of the k
+        processes that map it, so pages shared by every worker count once (RSS would count them once per worker)."""
+        total = 0
+        for process in self.tree():
+            with contextlib.suppress(psutil.Error):
+                total += process.memory_full_info().pss
+        return total
+
 
 def wait_ready(server: RunningServer, ready_path: str, timeout_s: float) -> None:
     """Poll `ready_path` until 200; raise with the server's log if it exits or takes longer than `timeout_s`."""

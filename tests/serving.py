@@ -54,14 +54,6 @@ class Server(RunningServer):
         """Where this server's request slots live in /dev/shm."""
         return server_directory(self.process.pid)
 
-    def tree_rss(self) -> int:
-        """Resident memory of the whole process tree, in bytes."""
-        total = 0
-        for process in self.tree():
-            with contextlib.suppress(psutil.Error):
-                total += process.memory_info().rss
-        return total
-
     def descendants(self) -> set[int]:
         """PIDs of every process below the server's main process."""
         return {process.pid for process in self.tree()[1:]}

@@ -181,7 +181,7 @@ def test_after_a_flood_a_kill_and_a_sigterm_shared_memory_and_rss_are_back_at_ba
         wait_ready(server)
         url = f"{server.url}/predict"
         assert httpx.post(url, content=image_bytes(64, 64), headers={"Content-Type": "image/png"}).status_code == 200
-        baseline = server.tree_rss()
+        baseline = server.tree_pss()
         big = square_jpegs(768, count=2)
         flood = run_closed_loop(url, users=32, seconds=6, images=big)
         assert flood.failed == 0 and flood.answered, flood.errors()
@@ -195,7 +195,7 @@ def test_after_a_flood_a_kill_and_a_sigterm_shared_memory_and_rss_are_back_at_ba
 
         time.sleep(8)  # idle: free slots empty themselves, idle workers give their batch memory back
         assert server.metric("imgserve_shared_memory_bytes") == 0
-        assert server.tree_rss() < baseline * 1.3, (baseline, server.tree_rss())
+        assert server.tree_pss() < baseline * 1.3, (baseline, server.tree_pss())
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=30) == 0
         assert not server.slot_directory.exists(), "the server left shared memory behind"

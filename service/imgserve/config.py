@@ -100,8 +100,13 @@ class Settings(BaseSettings):
     precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="fp16/bf16 run under autocast.")
     workers_per_device: int | Literal["auto"] = Field(
         "auto",
-        description="Inference worker processes per device (one model copy and cores/workers torch threads each); "
+        description="Inference worker processes per device (cores/workers torch threads each); "
         f"auto = 1 per GPU, one per core on a CPU (at most {MAX_CPU_WORKERS}).",
+    )
+    share_weights: bool = Field(
+        True,
+        description="One copy of the weights per device for all its workers (a read-only /dev/shm mapping on a "
+        "CPU, CUDA IPC on a GPU); off = a private copy per worker.",
     )
     max_batch_size: int | Literal["auto"] = Field(
         8,
@@ -120,7 +125,11 @@ class Settings(BaseSettings):
         "a model that fails on it at warm-up falls back to NCHW.",
     )
     gpu_memory_fraction: float = Field(
-        0.8, gt=0, le=1, description="Share of free device memory (RAM on CPU) that batches may use."
+        0.8,
+        gt=0,
+        le=1,
+        description="Share of free device memory (RAM on CPU) that the batches of all the device's workers together "
+        "may use (on a CPU less the request slots' room).",
     )
 
     # Admission and deadlines.

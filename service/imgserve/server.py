@@ -30,10 +30,11 @@ from imgserve.handoff.answers import AnswerSockets
 from imgserve.handoff.dispatch import Dispatcher
 from imgserve.handoff.slots import create_directory, remove_directory
 from imgserve.handoff.state import SharedState
-from imgserve.models import outputs
-from imgserve.models.loader import ModelLoadError, check_model_source
+from imgserve.models import outputs, shared
+from imgserve.models.loader import ModelLoadError, check_model_source, load_model
+from imgserve.models.shared import SharedWeights
 from imgserve.supervisor.lifecycle import install_drain_on_sigterm, start_worker_monitor
-from imgserve.worker.api import ImageAPI
+from imgserve.worker.api import ImageAPI, WorkerPlan
 from imgserve.worker.batching import AUTO_BATCH_CAP
 
 log = logging.getLogger(__name__)
@@ -50,14 +51,27 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def load_weights(settings: Settings, device_type: str, devices: int, directory: Path) -> SharedWeights:
+    """Load the model once, here in the main process, and share its weights with the workers of each device."""
+    try:
+        model = load_model(settings.model, settings.model_factory, settings.trust_pickle)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # the user's factory or file: one line, as a worker's failure would say it
+        raise ModelLoadError(f"cannot load the model: {type(exc).__name__}: {exc}") from None
+    names = [f"cuda:{index}" for index in range(devices)] if device_type == "cuda" else ["cpu"]
+    return shared.prepare(model, device_type, names, directory, settings.share_weights, settings.channels_last)
+
+
 class ImageServer(ls.LitServer):
     """LitServer with imgserve's own predict/health/info/metrics routes and admission in front."""
 
-    def __init__(self, settings: Settings, slot_directory: Path) -> None:
+    def __init__(self, settings: Settings, slot_directory: Path, weights_directory: Path) -> None:
         self.settings, self.slot_directory = settings, slot_directory
         self.accelerator = resolve_device(settings.device)
         devices = torch.cuda.device_count() if self.accelerator == "cuda" else 1
-        workers_per_device = settings.workers_on(self.accelerator)
+        self.weights = load_weights(settings, self.accelerator, devices, weights_directory)
+        self.workers_per_device = workers_per_device = settings.workers_on(self.accelerator)
         self.worker_count = devices * workers_per_device
         auto_batch = settings.max_batch_size == "auto"
         self.configured_batch_size = 1 if auto_batch else settings.max_batch_size
@@ -68,7 +82,17 @@ class ImageServer(ls.LitServer):
         self.state = SharedState(self.worker_count, request_slots=slots_per_front_end * self.front_ends)
         self.dispatcher = Dispatcher(self.state, self.slot_directory, slots_per_front_end, settings.retry_after_s)
         self.torch_threads = max(1, usable_cpus() // self.worker_count)
-        api = ImageAPI(settings, self.state, self.slot_directory, self.configured_batch_size, self.torch_threads)
+        # On a CPU the slots live in the same RAM as the batches: room for every admitted request at its largest.
+        slot_room = 0 if self.accelerator == "cuda" else queue_bound(settings, self.worker_count, largest_batch)
+        plan = WorkerPlan(
+            slot_directory,
+            self.weights,
+            self.configured_batch_size,
+            self.torch_threads,
+            workers_per_device,
+            slot_room * 3 * settings.max_image_pixels,
+        )
+        api = ImageAPI(settings, self.state, plan)
         self.admission = Admission(self.state, settings, lambda: self.queue_limit)
         super().__init__(
             api,
@@ -85,8 +109,13 @@ class ImageServer(ls.LitServer):
         )
         install_handlers(self.app)
         self._monitor_workers = False  # imgserve's own monitor answers for the dead worker's requests
+        copies = 1 if self.weights.shared else workers_per_device
         self.pod_collector = metrics.PodCollector(
-            self.state, slot_directory, settings.model, settings.precision, self.device_names[0], __version__
+            self.state,
+            slot_directory,
+            metrics.ModelFacts(
+                settings.model, settings.precision, self.device_names, copies * self.weights.nbytes, __version__
+            ),
         )
         metrics.preregister()
 
@@ -166,13 +195,16 @@ class ImageServer(ls.LitServer):
         limits = self.state.limits
         return {
             "model": self.settings.model,
-            "device": self.pod_collector.device,
+            "device": self.device_names[0],
             "devices": self.device_names,
             "precision": self.settings.precision,
             "workers": self.worker_count,
+            "workers_per_device": self.workers_per_device,
             "api_servers": self.front_ends,
             "torch_threads_per_worker": self.torch_threads,
+            "weights": self.weights.describe(),
             "max_batch_size": limits["max_batch_size"] or self.settings.max_batch_size,
+            "batch_memory_budget_bytes_per_worker": limits["budget_bytes"],
             "batch_pixel_budget": limits["pixel_budget"],
             "batch_timeout_ms": self.settings.batch_timeout_ms,
             "max_queue_depth": self.queue_limit,
@@ -199,8 +231,9 @@ def serve(settings: Settings) -> int:
         log.error("imgserve: cannot read --api-key-file: %s", exc)
         return 2
     slot_directory = create_directory(os.getpid())
+    weights_directory = create_directory(os.getpid(), "weights")
     try:
-        server = ImageServer(settings, slot_directory)
+        server = ImageServer(settings, slot_directory, weights_directory)
         install_drain_on_sigterm(server)
         server.run(
             host=settings.host,
@@ -212,12 +245,16 @@ def serve(settings: Settings) -> int:
             http=GuardedHttpToolsProtocol.configured(settings, server.admission),
             ws="none",
         )
+    except ModelLoadError as exc:
+        log.error("imgserve: %s", exc)
+        return 2
     except RuntimeError as exc:  # a worker's setup failed: it left its reason in the shared state
         for worker in server.inference_workers:  # the others would log their own failure after ours
             worker.terminate()
             worker.join(timeout=5)
         log.error("imgserve: %s", server.state.setup_failure or f"the model failed to load or warm up ({exc})")
         return 2
-    finally:
+    finally:  # LitServe has stopped the workers: nothing maps the weights any more
         remove_directory(slot_directory)
+        remove_directory(weights_directory)
     return server.state.exit_code

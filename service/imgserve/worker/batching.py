@@ -220,8 +220,12 @@ class BatchRunner:
             with autocast:
                 return self.model(inputs)
 
-    def measure(self, memory_fraction: float) -> MemoryPlan:
-        """Warm up on a probe image and measure peak memory per pixel (CUDA allocator, or peak RSS on CPU)."""
+    def measure(self, memory_fraction: float, sharers: int = 1, reserved_bytes: int = 0) -> MemoryPlan:
+        """Warm up on a probe image and measure peak memory per pixel (CUDA allocator, or peak RSS on CPU).
+
+        The device's batch memory, `memory_fraction` of what is free now less `reserved_bytes` (kept for the request
+        slots), is shared by its `sharers` workers; the weights, held once and already in place, are not in it.
+        """
         probe = torch.randint(0, 256, (1, self.probe_side, self.probe_side, 3), dtype=torch.uint8)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -238,7 +242,9 @@ class BatchRunner:
             free = _available_ram()
         # Activations cannot be smaller than the input and output themselves.
         floor = 2 * probe.numel() * 4  # as float32
-        self.memory = MemoryPlan(max(peak, floor) / self.probe_side**2, int(memory_fraction * free))
+        usable = int(memory_fraction * free)
+        budget = (usable - min(reserved_bytes, usable // 2)) // sharers  # the slots get at most half
+        self.memory = MemoryPlan(max(peak, floor) / self.probe_side**2, budget)
         return self.memory
 
     def _first_forward(self, probe: torch.Tensor) -> Any:
