@@ -181,3 +181,14 @@ def wait_for_restart(server: Server, before: set[int], timeout_s: float = 90) ->
 def cpu_seconds(pid: int) -> float:
     times = psutil.Process(pid).cpu_times()
     return times.user + times.system
+
+
+def test_info_and_metrics_say_what_the_weights_cost_and_what_each_worker_may_batch() -> None:
+    with running_server(workers_per_device=2) as server:
+        info = httpx.get(f"{server.url}/info").json()
+        available = psutil.virtual_memory().available
+        assert info["weights"]["shared"] and info["workers_per_device"] == 2, info
+        assert server.metric("imgserve_model_weight_bytes", device="cpu") == info["weights"]["bytes"] > 0
+        budget = info["batch_memory_budget_bytes_per_worker"]
+        # The two workers together stay within the fraction (each used to plan for all of it).
+        assert 0 < 2 * budget <= 1.05 * 0.8 * available, (budget, available)

@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import litserve as ls
+import numpy as np
 import torch
 from litserve.utils import WorkerSetupStatus
 from starlette.routing import Route
 
 from imgserve import __version__, metrics
-from imgserve.config import Settings, usable_cpus
+from imgserve.config import GPU_BUSY_GOAL, MAX_CPU_WORKERS, Settings, gpu_workers_for, usable_cpus
 from imgserve.errors import install_handlers
 from imgserve.frontend.admission import Admission, AdmissionMiddleware, queue_bound
 from imgserve.frontend.auth import ApiKeyMiddleware, read_keys
@@ -35,10 +36,11 @@ from imgserve.models.loader import ModelLoadError, check_model_source, load_mode
 from imgserve.models.shared import SharedWeights
 from imgserve.supervisor.lifecycle import install_drain_on_sigterm, start_worker_monitor
 from imgserve.worker.api import ImageAPI, WorkerPlan
-from imgserve.worker.batching import AUTO_BATCH_CAP
+from imgserve.worker.batching import AUTO_BATCH_CAP, BatchRunner, InMemory
 
 log = logging.getLogger(__name__)
 MAX_WORKER_RESTARTS = 3
+PROBE_BATCH = 8  # the batch timed for workers_per_device auto on a GPU when max_batch_size is auto too
 
 
 def resolve_device(device: str) -> str:
@@ -63,6 +65,28 @@ def load_weights(settings: Settings, device_type: str, devices: int, directory: 
     return shared.prepare(model, device_type, names, directory, settings.share_weights, settings.channels_last)
 
 
+def choose_gpu_workers(settings: Settings, weights: SharedWeights, device_type: str) -> tuple[int, str]:
+    """workers_per_device auto: on a GPU from one probe batch timed on cuda:0 (config.gpu_workers_for); the reason."""
+    if device_type != "cuda":
+        return 1, f"one per core, at most {MAX_CPU_WORKERS}"
+    device = torch.device("cuda:0")
+    shared_tensors = weights.owner.get(str(device))  # the main process's copy: adopted, not copied
+    model = load_model(settings.model, settings.model_factory, settings.trust_pickle, shared_tensors).to(device)
+    runner = BatchRunner.for_settings(model, device, settings)
+    runner.measure(settings.gpu_memory_fraction)  # warm-up (and the channels_last fallback)
+    batch = settings.max_batch_size if isinstance(settings.max_batch_size, int) else PROBE_BATCH
+    side = runner.probe_side
+    images = [InMemory(np.zeros((side, side, 3), dtype=np.uint8)) for _ in range(batch)]
+    cpu_s, device_s = runner.split_seconds(images)
+    del runner, model
+    torch.cuda.empty_cache()
+    workers = gpu_workers_for(cpu_s, device_s)
+    return workers, (
+        f"a batch of {batch} {side}x{side} images took {1000 * cpu_s:.1f} ms of a worker's CPU and "
+        f"{1000 * device_s:.1f} ms on the GPU: {workers} worker(s) keep it {GPU_BUSY_GOAL:.0%} busy"
+    )
+
+
 class ImageServer(ls.LitServer):
     """LitServer with imgserve's own predict/health/info/metrics routes and admission in front."""
 
@@ -71,14 +95,17 @@ class ImageServer(ls.LitServer):
         self.accelerator = resolve_device(settings.device)
         devices = torch.cuda.device_count() if self.accelerator == "cuda" else 1
         self.weights = load_weights(settings, self.accelerator, devices, weights_directory)
-        self.workers_per_device = workers_per_device = settings.workers_on(self.accelerator)
+        gpu_workers, self.workers_reason = 1, "set by --workers-per-device"
+        if settings.workers_per_device == "auto":
+            gpu_workers, self.workers_reason = choose_gpu_workers(settings, self.weights, self.accelerator)
+        self.workers_per_device = workers_per_device = settings.workers_on(self.accelerator, gpu_workers)
         self.worker_count = devices * workers_per_device
         auto_batch = settings.max_batch_size == "auto"
         self.configured_batch_size = 1 if auto_batch else settings.max_batch_size
         largest_batch = AUTO_BATCH_CAP if auto_batch else settings.max_batch_size
         # A front end may hold every admitted request, and as many again given up on whose workers still have them.
         slots_per_front_end = 2 * queue_bound(settings, self.worker_count, largest_batch)
-        self.front_ends = settings.front_ends_on(self.accelerator)
+        self.front_ends = settings.front_ends_on(self.accelerator, workers_per_device)
         self.state = SharedState(self.worker_count, request_slots=slots_per_front_end * self.front_ends)
         self.dispatcher = Dispatcher(self.state, self.slot_directory, slots_per_front_end, settings.retry_after_s)
         self.torch_threads = max(1, usable_cpus() // self.worker_count)
@@ -200,6 +227,7 @@ class ImageServer(ls.LitServer):
             "precision": self.settings.precision,
             "workers": self.worker_count,
             "workers_per_device": self.workers_per_device,
+            "workers_per_device_why": self.workers_reason,
             "api_servers": self.front_ends,
             "torch_threads_per_worker": self.torch_threads,
             "weights": self.weights.describe(),

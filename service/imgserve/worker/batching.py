@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import resource
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -219,6 +220,26 @@ class BatchRunner:
                 inputs = inputs.contiguous()
             with autocast:
                 return self.model(inputs)
+
+    def split_seconds(self, images: Sequence[Pixels]) -> tuple[float, float]:
+        """Seconds one batch of `images` (of one size) spends in this process's own work (filling the batch, taking
+        the results apart) and in the model call on the device (with the host-to-device copy), after a warm-up."""
+        self(images)
+        started = time.perf_counter()
+        self(images)
+        self._synchronize()
+        total = time.perf_counter() - started
+        batch = self._host_batch(images, *images[0].shape[:2])
+        self._synchronize()
+        started = time.perf_counter()
+        self.forward(batch)
+        self._synchronize()
+        device = time.perf_counter() - started
+        return max(total - device, 0.0), device
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def measure(self, memory_fraction: float, sharers: int = 1, reserved_bytes: int = 0) -> MemoryPlan:
         """Warm up on a probe image and measure peak memory per pixel (CUDA allocator, or peak RSS on CPU).
