@@ -51,6 +51,32 @@ class RunningServer:
             return [main, *main.children(recursive=True)]
         return []
 
+    def worker_pids(self) -> list[int]:
+        """Inference workers: the spawned children (spawn_main) of the server."""
+        workers = []
+        for process in self.tree()[1:]:
+            with contextlib.suppress(psutil.Error):
+                if "spawn_main" in " ".join(process.cmdline()):
+                    workers.append(process.pid)
+        return workers
+
+    def replaced_worker(self, before: set[int], timeout_s: float = 90) -> int:
+        """After one of the workers `before` was killed: the pid of the one started in its place, once the server
+        is ready again."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            now = set(self.worker_pids())
+            with contextlib.suppress(httpx.HTTPError):
+                if (
+                    len(now) == len(before)
+                    and now != before
+                    and httpx.get(self.url + "/health/ready").status_code == 200
+                ):
+                    (fresh,) = now - before
+                    return fresh
+            time.sleep(0.5)
+        raise TimeoutError(f"no worker was started in place of the one killed:\n{self.log_tail()}")
+
     def tree_pss(self) -> int:
         """Proportional set size of the whole process tree, in bytes: each page is charged 1/k to each of the k
         processes that map it, so pages shared by every worker count once (RSS would count them once per worker)."""

@@ -12,7 +12,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import psutil
 from imgserve.handoff.slots import server_directory
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -57,16 +56,6 @@ class Server(RunningServer):
     def descendants(self) -> set[int]:
         """PIDs of every process below the server's main process."""
         return {process.pid for process in self.tree()[1:]}
-
-    def worker_pids(self) -> list[int]:
-        """Inference workers: the spawned children (spawn_main) of the server."""
-        workers = []
-        for process in self.tree()[1:]:
-            with contextlib.suppress(psutil.Error):
-                command = " ".join(process.cmdline())
-                if "spawn_main" in command:
-                    workers.append(process.pid)
-        return workers
 
 
 def start_server(settings: dict[str, object], log_dir: Path) -> Server:

@@ -30,15 +30,15 @@ from PIL import Image
 from safetensors.torch import save_file
 from serving import Server, image_bytes, running_server
 from test_models import _save_formats
-from toy_models import heavy_weights, light_weights
 
 from loadtests.closed_loop import run_closed_loop
+from loadtests.toy_models import heavy_weights, light_weights
 
 MIB = 2**20
 W = 256 * MIB
 BOUND = 0.3 * W
-HEAVY = "toy_models:heavy_weights"
-LIGHT = "toy_models:light_weights"
+HEAVY = "loadtests.toy_models:heavy_weights"
+LIGHT = "loadtests.toy_models:light_weights"
 PROBE = image_bytes(96, 64)
 
 
@@ -137,7 +137,7 @@ def test_four_workers_hold_one_copy_even_after_a_kill_and_a_load_test(
         checksum = hashlib.sha256(weights.read_bytes()).hexdigest()
         before = set(server.worker_pids())
         os.kill(min(before), signal.SIGKILL)
-        restarted = wait_for_restart(server, before)
+        restarted = server.replaced_worker(before)
         assert str(weights) in Path(f"/proc/{restarted}/maps").read_text(), "the new worker does not map the weights"
         extra = settled_pss(server) - one - light_growth
         assert extra <= BOUND, f"after a restart 3 more workers cost {extra / MIB:.0f} MiB beyond a tiny model's"
@@ -164,18 +164,6 @@ def test_negative_control_private_copies_miss_the_bound(weight_files: dict[str, 
     print(f"private: PSS 1 worker {one / MIB:.0f} MiB; 3 more cost {extra / MIB:+.0f} MiB beyond a tiny model's")
     assert extra > BOUND, "the test cannot tell private copies from shared weights"
     assert extra > 2.5 * W, f"3 private copies should cost about 3 W, not {extra / MIB:.0f} MiB"
-
-
-def wait_for_restart(server: Server, before: set[int], timeout_s: float = 90) -> int:
-    """The pid of the worker started in place of the one killed, once the server is ready again."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        now = set(server.worker_pids())
-        if len(now) == len(before) and httpx.get(f"{server.url}/health/ready").status_code == 200:
-            (fresh,) = now - before
-            return fresh
-        time.sleep(0.5)
-    raise TimeoutError(f"no worker was started in place of the one killed:\n{server.log_tail()}")
 
 
 def cpu_seconds(pid: int) -> float:
