@@ -17,7 +17,7 @@ from typing import Any
 import litserve as ls
 import numpy as np
 import torch
-from imgserve import metrics
+from imgserve import heap, metrics
 from imgserve.config import Settings
 from imgserve.errors import ApiError
 from imgserve.handoff.slots import InSlot, SlotFiles
@@ -25,7 +25,6 @@ from imgserve.handoff.state import SharedState
 from imgserve.models import outputs
 from imgserve.models.loader import ModelLoadError, load_model
 from imgserve.models.shared import SharedWeights
-from imgserve.worker import memory as worker_memory
 from imgserve.worker.batching import BatchRunner, Result
 from imgserve.worker.gather import GatheringLoop
 
@@ -77,7 +76,7 @@ class ImageAPI(ls.LitAPI):
             shared = plan.weights.tensors(device) if plan.weights.shared else None
             model = load_model(settings.model, settings.model_factory, settings.trust_pickle, shared)
             model = model.to(torch_device)  # in place already when shared; the loader set eval mode
-        worker_memory.hold_freed_memory()  # after loading: what a private load freed goes back to the system
+        heap.hold_freed_memory()  # after loading: what a private load freed goes back to the system
         self.runner = BatchRunner.for_settings(model, torch_device, settings, on_oom=metrics.OOM_SPLITS.inc)
         with self._reported(
             f"the model failed warm-up on {device} with a {self.runner.probe_side}x{self.runner.probe_side} image"
@@ -113,6 +112,11 @@ class ImageAPI(ls.LitAPI):
             reason = str(exc) if isinstance(exc, ModelLoadError) else f"{failure}: {type(exc).__name__}: {exc}"
             self.state.fail_setup(" ".join(reason.split()))
             raise
+
+    def release_memory(self) -> None:
+        """Idle: the batch buffers kept for reuse and the heap's free memory go back to the system."""
+        self.runner.release()
+        heap.trim()
 
     def decode_request(self, request: dict[str, Any]) -> dict[str, Any]:
         """Nothing to decode: the front end decoded the upload into the slot."""

@@ -186,6 +186,10 @@ class BatchRunner:
             flat = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device, pin_memory=pinned)
         return flat[:numel].view(shape)
 
+    def release(self) -> None:
+        """Drop the reused batch buffers (when idle: the next batch allocates them again)."""
+        self._buffers.clear()
+
     def _host_batch(self, images: Sequence[Pixels], height: int, width: int) -> torch.Tensor:
         """The chunk as one uint8 NxHxWx3 buffer; smaller images are padded by repeating their edge pixels."""
         batch = self._buffer("host", (len(images), height, width, 3), torch.uint8, torch.device("cpu"))
