@@ -23,7 +23,7 @@ import pytest
 import torch
 from imgserve.config import Settings
 from imgserve.models.denoiser import build_denoiser
-from imgserve.models.loader import load_model
+from imgserve.models.loader import adopt, load_model
 from imgserve.models.shared import prepare
 from imgserve.worker.batching import BatchRunner, InMemory
 from PIL import Image
@@ -62,6 +62,22 @@ def test_every_format_adopts_the_shared_weights_without_a_copy(formats: dict, na
     x = torch.rand(2, 3, 24, 40)
     with torch.inference_mode():
         torch.testing.assert_close(model(x), build_denoiser()(x), atol=1e-5, rtol=0)
+
+
+class Tied(torch.nn.Module):
+    """Two layers sharing one weight tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+
+def test_tied_weights_stay_one_tensor(tmp_path: Path) -> None:
+    weights = prepare(Tied(), "cpu", ["cpu"], tmp_path, enabled=True, channels_last=True)
+    with torch.device("meta"):
+        model = adopt(Tied(), weights.tensors("cpu"))
+    assert model.a.weight.data_ptr() == model.b.weight.data_ptr() and not model.a.weight.is_meta
 
 
 def test_a_directory_that_cannot_hold_the_weights_means_private_copies_not_a_crash(tmp_path: Path) -> None:

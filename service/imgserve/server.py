@@ -110,14 +110,14 @@ class ImageServer(ls.LitServer):
         self.dispatcher = Dispatcher(self.state, self.slot_directory, slots_per_front_end, settings.retry_after_s)
         self.torch_threads = max(1, usable_cpus() // self.worker_count)
         # On a CPU the slots live in the same RAM as the batches: room for every admitted request at its largest.
-        slot_room = 0 if self.accelerator == "cuda" else queue_bound(settings, self.worker_count, largest_batch)
+        admitted = 0 if self.accelerator == "cuda" else queue_bound(settings, self.worker_count, largest_batch)
         plan = WorkerPlan(
             slot_directory,
             self.weights,
             self.configured_batch_size,
             self.torch_threads,
             workers_per_device,
-            slot_room * 3 * settings.max_image_pixels,
+            admitted * 3 * settings.max_image_pixels,
         )
         api = ImageAPI(settings, self.state, plan)
         self.admission = Admission(self.state, settings, lambda: self.queue_limit)

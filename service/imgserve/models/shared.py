@@ -117,9 +117,26 @@ def share_on_cpu(model: torch.nn.Module, directory: Path) -> SharedWeights:
 
 def share_on_cuda(model: torch.nn.Module, devices: list[str]) -> SharedWeights:
     """Place one copy of the weights on each device, owned by this (the main) process, as IPC handles to send."""
-    owner = {device: {k: t.to(device) for k, t in model.state_dict().items()} for device in devices}
+    owner = {device: _moved(model.state_dict(), device) for device in devices}
     pickled = {device: bytes(ForkingPickler.dumps(tensors)) for device, tensors in owner.items()}
     return SharedWeights(weight_bytes(model), cuda=pickled, owner=owner)
+
+
+def _moved(state: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
+    """The state on `device` in its layout (channels_last kept), tied tensors still one tensor."""
+    moved: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, tensor in state.items():
+        key = _identity(tensor)
+        if key not in moved:
+            moved[key] = tensor.to(device)
+        out[name] = moved[key]
+    return out
+
+
+def _identity(tensor: torch.Tensor) -> tuple:
+    """The same tensor under two names (tied weights) has the same identity."""
+    return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride())
 
 
 def _flat_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[str], dict[str, str]]:
@@ -128,10 +145,10 @@ def _flat_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[s
     state: dict[str, torch.Tensor] = {}
     nhwc: list[str] = []
     aliases: dict[str, str] = {}
-    seen: dict[tuple[int, tuple[int, ...], tuple[int, ...]], str] = {}
+    seen: dict[tuple, str] = {}
     storages: set[int] = set()
     for name, tensor in model.state_dict().items():
-        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        key = _identity(tensor)
         if key in seen:
             aliases[name] = seen[key]
             continue
