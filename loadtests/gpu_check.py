@@ -19,7 +19,6 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -36,7 +35,7 @@ from loadtests import overhead
 from loadtests.closed_loop import run_closed_loop
 from loadtests.images import SampleImage, square_jpegs
 from loadtests.report import machine
-from loadtests.servers import RunningServer, free_port, imgserve_command, running_server
+from loadtests.servers import Periodic, RunningServer, free_port, imgserve_command, running_server
 
 REPO = Path(__file__).resolve().parent.parent
 PASS, FAIL, SKIPPED, INFO, ERROR = "pass", "fail", "skipped", "info", "error"
@@ -207,28 +206,17 @@ def check_precision(context: Context, precision: str) -> list[Row]:
     return [Row.of(precision, f"/info precision {served}; mean abs diff {diff:.2f}/255", ok)]
 
 
-class MemoryWatch:
+class MemoryWatch(Periodic):
     """Samples imgserve_gpu_memory_used_bytes from /metrics in a thread; keeps the peak."""
 
     def __init__(self, server: RunningServer, interval_s: float = 0.2) -> None:
-        self.server, self.interval_s, self.peak = server, interval_s, 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.server, self.peak = server, 0.0
+        super().__init__(self._sample, interval_s)
 
-    def __enter__(self) -> MemoryWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=15)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                used = metric_samples(self.server).get("imgserve_gpu_memory_used_bytes", 0.0)
-                self.peak = max(self.peak, used)
-            self._stop.wait(self.interval_s)
+    def _sample(self) -> None:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            used = metric_samples(self.server).get("imgserve_gpu_memory_used_bytes", 0.0)
+            self.peak = max(self.peak, used)
 
 
 def check_auto_batch_and_flood(context: Context) -> list[Row]:

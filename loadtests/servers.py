@@ -11,9 +11,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import httpx
 import psutil
@@ -138,6 +139,30 @@ def running_server(
         yield server
     finally:
         stop(server)
+
+
+class Periodic:
+    """Calls `sample()` every `interval_s` seconds in a thread from the start of the block to its end (at most
+    `max_s`)."""
+
+    def __init__(self, sample: Callable[[], None], interval_s: float, max_s: float = 24 * 3600) -> None:
+        self.sample, self.interval_s, self.max_s = sample, interval_s, max_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        until = time.monotonic() + self.max_s
+        while not self._stop.is_set() and time.monotonic() < until:
+            self.sample()
+            self._stop.wait(self.interval_s)
 
 
 @dataclass

@@ -20,7 +20,6 @@ import random
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ import httpx
 
 from loadtests.images import SampleImage, synthetic_image
 from loadtests.report import machine
-from loadtests.servers import RunningServer, free_port, imgserve_command, running_server
+from loadtests.servers import Periodic, RunningServer, free_port, imgserve_command, running_server
 
 SIDES = (64, 128, 256, 512, 768, 1024)
 CORRUPT_SHARE, GIVE_UP_SHARE, GIVE_UP_S = 0.1, 0.1, 0.005
@@ -96,28 +95,6 @@ def run_load(url: str, users: int, seconds: float) -> Tally:
 
     asyncio.run(main())
     return tally
-
-
-class PssSampler:
-    """Samples the tree's PSS and the slots' /dev/shm bytes (from /metrics) every SAMPLE_S seconds in a thread."""
-
-    def __init__(self, server: RunningServer) -> None:
-        self.server, self.samples = server, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> PssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append((time.monotonic(), self.server.tree_pss()))
-            self._stop.wait(SAMPLE_S)
 
 
 def slot_bytes(server: RunningServer) -> float:
@@ -194,13 +171,14 @@ def soak(minutes: float, users: int, settings: dict[str, str], log: Path) -> Soa
         run_load(url, users=2, seconds=5)  # every worker warm, every code path taken once
         time.sleep(10)
         idle = server.tree_pss()
-        with PssSampler(server) as sampler:
+        samples: list[tuple[float, int]] = []
+        with Periodic(lambda: samples.append((time.monotonic(), server.tree_pss())), SAMPLE_S):
             start = time.monotonic()
             tally = run_load(url, users, minutes * 60)
             end = time.monotonic()
         waited, settled, slots = settle(server, idle)
-    loaded = [pss for t, pss in sampler.samples if start <= t <= end]
-    first, last, change = trend(sampler.samples, start, end)
+    loaded = [pss for t, pss in samples if start <= t <= end]
+    first, last, change = trend(samples, start, end)
     return SoakResult(idle, loaded, first, last, change, waited, settled, slots, tally)
 
 

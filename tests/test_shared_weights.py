@@ -179,7 +179,7 @@ def test_negative_control_private_copies_miss_the_bound(weight_files: dict[str, 
         extra = settled_pss(server) - one - light_growth
     print(f"private: PSS 1 worker {one / MIB:.0f} MiB; 3 more cost {extra / MIB:+.0f} MiB beyond a tiny model's")
     assert extra > BOUND, "the test cannot tell private copies from shared weights"
-    assert extra > 2.5 * W, f"3 private copies should cost about 3 W, not {extra / MIB:.0f} MiB"
+    assert extra > 2 * W, f"3 private copies should cost about 3 W, not {extra / MIB:.0f} MiB"
 
 
 def cpu_seconds(pid: int) -> float:

@@ -92,7 +92,7 @@ class ImageAPI(ls.LitAPI):
             self.max_batch_size = memory.batch_size_at(settings.max_image_pixels)
         self.state.set_limits(self.max_batch_size, memory.pixel_budget, memory.budget_bytes)
         log.info(
-            "worker ready on %s (%d torch threads, weights %s): %.0f bytes/pixel, budget %d MiB = %d pixels, "
+            "worker ready on %s (%d torch threads): weights %s, %.0f bytes/pixel, budget %d MiB = %d pixels, "
             "max batch %d",
             device,
             torch.get_num_threads(),
