@@ -20,6 +20,7 @@ import httpx
 import psutil
 
 LOOPBACK = "127.0.0.1"
+SOURCE = Path(__file__).resolve().parent.parent / "service"
 
 
 def free_port() -> int:
@@ -128,6 +129,8 @@ def running_server(
     """Run `command` (which must listen on 127.0.0.1:`port`) until the block ends; yields once it is ready."""
     environment = {**os.environ, **(env or {})}
     environment.pop("PROMETHEUS_MULTIPROC_DIR", None)  # each imgserve makes and wipes its own
+    # This checkout's imgserve, whichever one is installed.
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE), environment.get("PYTHONPATH")]))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
