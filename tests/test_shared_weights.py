@@ -54,6 +54,8 @@ def test_every_format_adopts_the_shared_weights_without_a_copy(formats: dict, na
     args = (formats[name]["model"], formats[name].get("model_factory"), "trust_pickle" in formats[name])
     weights = prepare(load_model(*args), "cpu", ["cpu"], tmp_path, enabled=True, channels_last=True)
     assert weights.shared and weights.path is not None
+    private = weights.describe()["private_per_worker"]
+    assert (private == "nothing") == (name not in ("torchscript", "torch.export")), private
     mapped = weights.tensors("cpu")
     model = load_model(*args, shared=mapped).to(memory_format=torch.channels_last)  # as the worker's runner does
     storages = {tensor.untyped_storage().data_ptr() for tensor in mapped.values()}

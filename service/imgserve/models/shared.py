@@ -25,6 +25,13 @@ from imgserve.models.loader import for_inference
 log = logging.getLogger(__name__)
 FILE_NAME = "weights.safetensors"
 NHWC_KEY, ALIAS_KEY = "imgserve.nhwc", "imgserve.aliases"  # metadata: 4-D tensors stored as NHWC; tied names
+# What each worker still holds on its own, by the kind of module the model file gives (parameters and buffers are
+# always shared): /info says it.
+PRIVATE_PER_WORKER = {
+    "torchscript": "tensor constants folded into the graph (all the weights of a torch.jit.freeze'd module)",
+    "torch.export": "tensor constants lifted into the graph (not parameters or buffers)",
+    "module": "nothing",
+}
 
 
 @dataclass
@@ -36,6 +43,7 @@ class SharedWeights:
     path: Path | None = None  # CPU: the prepared file in /dev/shm
     cuda: dict[str, bytes] = field(default_factory=dict)  # CUDA: per device, the tensors pickled as IPC handles
     reason: str = ""  # why each worker loads its own copy
+    kind: str = "module"  # a key of PRIVATE_PER_WORKER
     owner: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)  # main process only
 
     def __getstate__(self) -> dict:
@@ -54,7 +62,8 @@ class SharedWeights:
             if self.cuda
             else f"a private copy per worker: {self.reason}"
         )
-        return {"bytes": self.nbytes, "shared": self.shared, "route": route}
+        private = PRIVATE_PER_WORKER[self.kind] if self.shared else "all the weights"
+        return {"bytes": self.nbytes, "shared": self.shared, "route": route, "private_per_worker": private}
 
     def tensors(self, device: str) -> dict[str, torch.Tensor]:
         """The weights as views of the shared memory (called in the worker)."""
@@ -86,10 +95,19 @@ def prepare(
     if channels_last:
         model.to(memory_format=torch.channels_last)
     if not enabled:
-        return SharedWeights(weight_bytes(model), reason="--no-share-weights")
-    if device_type == "cuda":
-        return share_on_cuda(model, devices)
-    return share_on_cpu(model, directory)
+        weights = SharedWeights(weight_bytes(model), reason="--no-share-weights")
+    elif device_type == "cuda":
+        weights = share_on_cuda(model, devices)
+    else:
+        weights = share_on_cpu(model, directory)
+    weights.kind = _kind(model)
+    return weights
+
+
+def _kind(model: torch.nn.Module) -> str:
+    if isinstance(model, torch.jit.ScriptModule):
+        return "torchscript"
+    return "torch.export" if isinstance(model, torch.fx.GraphModule) else "module"
 
 
 def share_on_cpu(model: torch.nn.Module, directory: Path) -> SharedWeights:
