@@ -98,6 +98,7 @@ def run_load(url: str, users: int, seconds: float) -> Tally:
 
 
 def slot_bytes(server: RunningServer) -> float:
+    """imgserve_shared_memory_bytes: what the request slots hold in /dev/shm."""
     text = httpx.get(server.url + "/metrics", timeout=10).text
     lines = [line for line in text.splitlines() if line.startswith("imgserve_shared_memory_bytes ")]
     return float(lines[0].split()[1])
@@ -131,6 +132,8 @@ def trend(samples: list[tuple[float, int]], start: float, end: float) -> tuple[f
 
 @dataclass(frozen=True)
 class SoakResult:
+    """PSS idle, under load (samples, first and last third) and after it; the slots' bytes; the answers."""
+
     idle: int
     loaded: list[int]
     first: float
@@ -142,6 +145,7 @@ class SoakResult:
     tally: Tally
 
     def goals(self) -> list[tuple[str, str, bool]]:
+        """(goal, result, met) rows."""
         return [
             (
                 "no 5xx fault (503/504 load answers counted)",
