@@ -15,10 +15,10 @@ import argparse
 import contextlib
 import io
 import os
+import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +35,7 @@ from loadtests import overhead
 from loadtests.closed_loop import run_closed_loop
 from loadtests.images import SampleImage, square_jpegs
 from loadtests.report import machine
-from loadtests.servers import RunningServer, free_port, imgserve_command, running_server
+from loadtests.servers import Periodic, RunningServer, free_port, imgserve_command, running_server
 
 REPO = Path(__file__).resolve().parent.parent
 PASS, FAIL, SKIPPED, INFO, ERROR = "pass", "fail", "skipped", "info", "error"
@@ -43,6 +43,8 @@ PRECISION_MAX_MEAN_DIFF = 2.0  # mean |fp16/bf16 - fp32| per channel value, on t
 SEED_GOAL = 1.2
 FLOOD_REQUESTS, FLOOD_USERS, FLOOD_FRACTION = 1000, 200, 0.5
 OOM_REQUESTS = 32
+SHARED_W = 256 * 2**20  # the weights of loadtests.toy_models:heavy_weights
+SHARED_BOUND = SHARED_W / 10
 NVML_METRICS = ("imgserve_gpu_utilization_ratio", "imgserve_gpu_memory_used_bytes", "imgserve_gpu_memory_total_bytes")
 
 
@@ -52,6 +54,10 @@ def overhead_row(target: overhead.Target) -> str:
 
 
 CUDA, NVML, SEED, FP16, BF16 = "CUDA path", "NVML metrics on /metrics", "seed case: 3 parallel vs 1", "fp16", "bf16"
+AUTO_WORKERS = "workers_per_device auto"
+SHARE, SHARE_RESTART = "shared weights: GPU memory 1 -> 3 workers", "shared weights: after kill -9 of a worker"
+SHARE_CONTROL, SHARE_OUTPUTS = "negative control: --no-share-weights", "shared weights: 3 workers' answers"
+SHARE_GOAL = "growth <= W/10 beyond the 1 MiB model's growth (the extra CUDA contexts); W = 256 MiB"
 AUTO, FLOOD, OOM = "max_batch_size auto", f"peak GPU memory, {FLOOD_REQUESTS}-request flood", "OOM split-and-retry"
 PRECISION_GOAL = f"starts; mean abs diff vs fp32 <= {PRECISION_MAX_MEAN_DIFF:g}/255"
 GOALS = {
@@ -63,6 +69,11 @@ GOALS = {
     AUTO: "an int in 1..256, measured at warm-up",
     FLOOD: f"growth <= gpu_memory_fraction ({FLOOD_FRACTION}) x free memory at idle; only 200/503/504",
     OOM: f"imgserve_oom_splits_total rises; all {OOM_REQUESTS} parallel requests 200",
+    AUTO_WORKERS: "1..4 workers per GPU, from a measured probe batch (/info workers_per_device_why)",
+    SHARE: SHARE_GOAL,
+    SHARE_RESTART: SHARE_GOAL + "; the new worker starts",
+    SHARE_CONTROL: "private copies miss that bound (about 2 W): the check can fail",
+    SHARE_OUTPUTS: "as the 1-worker server answers (mean abs diff <= 1/255)",
     **{overhead_row(t): f"{'<=' if t.latency else '>='} {t.factor}x" for t in overhead.TARGETS},
 }
 
@@ -157,11 +168,13 @@ def seed_ratio(server: RunningServer, image: SampleImage, rounds: int) -> tuple[
 
 def check_default_server(context: Context) -> list[Row]:
     """CUDA path, NVML metrics and the seed case, on imgserve with its defaults; keeps the fp32 reference answer."""
-    rows = [Row.skipped(CUDA), Row.skipped(NVML)]
+    rows = [Row.skipped(CUDA), Row.skipped(NVML), Row.skipped(AUTO_WORKERS)]
     image = square_jpegs(512)[0]
     with imgserve(context, "default") as server:
-        device = info(server)["device"]
+        described = info(server)
+        device = described["device"]
         if context.cuda:
+            workers, why = described["workers_per_device"], described["workers_per_device_why"]
             context.reference_png = predict_png(server, image)
             present = [name for name in NVML_METRICS if name in metric_samples(server)]
             found = f"{len(present)} of {len(NVML_METRICS)} present" + (
@@ -170,6 +183,7 @@ def check_default_server(context: Context) -> list[Row]:
             rows = [
                 Row.of(CUDA, f"/info device {device}", device.startswith("cuda")),
                 Row.of(NVML, found, len(present) == len(NVML_METRICS)),
+                Row.of(AUTO_WORKERS, f"{workers}: {why}", 1 <= workers <= 4 and "on the GPU" in why),
             ]
         alone, together = seed_ratio(server, image, rounds=10 if context.cuda else 3)
     ratio = together / alone
@@ -192,28 +206,17 @@ def check_precision(context: Context, precision: str) -> list[Row]:
     return [Row.of(precision, f"/info precision {served}; mean abs diff {diff:.2f}/255", ok)]
 
 
-class MemoryWatch:
+class MemoryWatch(Periodic):
     """Samples imgserve_gpu_memory_used_bytes from /metrics in a thread; keeps the peak."""
 
     def __init__(self, server: RunningServer, interval_s: float = 0.2) -> None:
-        self.server, self.interval_s, self.peak = server, interval_s, 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.server, self.peak = server, 0.0
+        super().__init__(self._sample, interval_s)
 
-    def __enter__(self) -> MemoryWatch:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=15)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            with contextlib.suppress(httpx.HTTPError, ValueError):
-                used = metric_samples(self.server).get("imgserve_gpu_memory_used_bytes", 0.0)
-                self.peak = max(self.peak, used)
-            self._stop.wait(self.interval_s)
+    def _sample(self) -> None:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            used = metric_samples(self.server).get("imgserve_gpu_memory_used_bytes", 0.0)
+            self.peak = max(self.peak, used)
 
 
 def check_auto_batch_and_flood(context: Context) -> list[Row]:
@@ -265,6 +268,67 @@ def check_oom_split(context: Context) -> list[Row]:
     return [Row.of(OOM, answered, ok)]
 
 
+def gpu_memory_used(server: RunningServer, image: SampleImage) -> float:
+    """Device memory in use (NVML, the whole GPU: IPC views are not charged to each process) after a few answers."""
+    for _ in range(6):
+        predict_png(server, image)
+    time.sleep(1)
+    used = metric_samples(server).get("imgserve_gpu_memory_used_bytes")
+    if used is None:
+        raise RuntimeError("imgserve_gpu_memory_used_bytes is not on /metrics (is imgserve[gpu] installed?)")
+    return used
+
+
+def check_shared_weights(context: Context) -> list[Row]:
+    """One copy of the weights per GPU: memory from 1 to 3 workers with a 256 MiB model vs a 1 MiB one, again after
+    a worker is killed, with private copies as the negative control; the 3 workers' answers vs 1 worker's."""
+    from safetensors.torch import save_file
+
+    from loadtests.toy_models import heavy_weights, light_weights
+
+    files = {}
+    for name, build in (("heavy", heavy_weights), ("light", light_weights)):
+        files[name] = context.log_dir / f"{name}.safetensors"
+        save_file(build().state_dict(), str(files[name]))
+    image = square_jpegs(256)[0]
+    used: dict[tuple[str, int], float] = {}
+    answers: list[bytes] = []
+    restarted = 0.0
+    for name, share, factory in (
+        ("heavy", "true", "heavy_weights"),
+        ("light", "true", "light_weights"),
+        ("private", "false", "heavy_weights"),
+    ):
+        for workers in (1, 3):
+            settings = {"model": str(files["light" if name == "light" else "heavy"]), "share_weights": share}
+            settings |= {"model_factory": f"loadtests.toy_models:{factory}", "workers_per_device": str(workers)}
+            with imgserve(context, f"shared-{name}-{workers}", **settings) as server:
+                used[name, workers] = gpu_memory_used(server, image)
+                if name == "heavy":
+                    with ThreadPoolExecutor(6) as pool:
+                        answers += pool.map(lambda _: predict_png(server, image), range(12 if workers == 3 else 1))
+                if name == "heavy" and workers == 3:
+                    before = set(server.worker_pids())
+                    os.kill(min(before), signal.SIGKILL)
+                    server.replaced_worker(before)
+                    restarted = gpu_memory_used(server, image)
+    contexts = used["light", 3] - used["light", 1]
+    extra = {name: used[name, 3] - used[name, 1] - contexts for name in ("heavy", "private")}
+    extra_restarted = restarted - used["heavy", 1] - contexts
+    mib = 2**20
+    worst = max(mean_abs_diff(answer, answers[0]) for answer in answers[1:])
+    return [
+        Row.of(
+            SHARE,
+            f"+{extra['heavy'] / mib:.0f} MiB (2 more CUDA contexts: {contexts / mib:.0f} MiB)",
+            extra["heavy"] <= SHARED_BOUND,
+        ),
+        Row.of(SHARE_RESTART, f"+{extra_restarted / mib:.0f} MiB", extra_restarted <= SHARED_BOUND),
+        Row.of(SHARE_CONTROL, f"+{extra['private'] / mib:.0f} MiB", extra["private"] > SHARED_BOUND),
+        Row.of(SHARE_OUTPUTS, f"largest mean abs diff {worst:.3f}/255 over {len(answers) - 1} answers", worst <= 1),
+    ]
+
+
 def check_overhead(context: Context) -> list[Row]:
     """The overhead benchmark's targets: every cell on a GPU, only the targets' cells (short) on a CPU."""
     seconds = context.cell_seconds
@@ -288,11 +352,12 @@ class Check:
 
 
 CHECKS = (
-    Check(check_default_server, (CUDA, NVML, SEED), gpu_only=False),
+    Check(check_default_server, (CUDA, NVML, AUTO_WORKERS, SEED), gpu_only=False),
     Check(lambda context: check_precision(context, FP16), (FP16,), gpu_only=True),
     Check(lambda context: check_precision(context, BF16), (BF16,), gpu_only=True),
     Check(check_auto_batch_and_flood, (AUTO, FLOOD), gpu_only=True),
     Check(check_oom_split, (OOM,), gpu_only=True),
+    Check(check_shared_weights, (SHARE, SHARE_RESTART, SHARE_CONTROL, SHARE_OUTPUTS), gpu_only=True),
     Check(check_overhead, tuple(overhead_row(t) for t in overhead.TARGETS), gpu_only=False),
 )
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import threading
 import time
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from loadtests.servers import Periodic
 
 QUEUE_DEPTH = "imgserve_queue_depth"
 GPU_UTILIZATION = "imgserve_gpu_utilization_ratio"
@@ -25,7 +26,7 @@ def read_metrics(text: str, names: tuple[str, ...]) -> dict[str, float]:
     return {name: sum(found) / len(found) for name, found in values.items()}
 
 
-class MetricsScraper:
+class MetricsScraper(Periodic):
     """`with MetricsScraper(url) as s:` samples /metrics every `interval_s` (at most `max_s`) while the block runs."""
 
     def __init__(
@@ -35,28 +36,15 @@ class MetricsScraper:
         interval_s: float = 1.0,
         max_s: float = 3600,
     ) -> None:
-        self.url, self.names, self.interval_s, self.max_s = url.rstrip("/") + "/metrics", names, interval_s, max_s
+        self.url, self.names = url.rstrip("/") + "/metrics", names
         self.samples: list[tuple[float, dict[str, float]]] = []  # (unix time, values)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        super().__init__(self._scrape, interval_s, max_s)
 
-    def __enter__(self) -> MetricsScraper:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-
-    def _run(self) -> None:
-        until = time.monotonic() + self.max_s
-        with httpx.Client(timeout=max(self.interval_s, 1.0)) as client:
-            while not self._stop.is_set() and time.monotonic() < until:
-                with contextlib.suppress(httpx.HTTPError):
-                    response = client.get(self.url)
-                    if response.status_code == 200:
-                        self.samples.append((time.time(), read_metrics(response.text, self.names)))
-                self._stop.wait(self.interval_s)
+    def _scrape(self) -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            response = httpx.get(self.url, timeout=max(self.interval_s, 1.0))
+            if response.status_code == 200:
+                self.samples.append((time.time(), read_metrics(response.text, self.names)))
 
     def mean(self, name: str, since: float = 0.0, until: float = float("inf")) -> float | None:
         """Mean of `name` over the samples taken in [since, until] (unix time); None if it was never there."""

@@ -11,14 +11,16 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import httpx
 import psutil
 
 LOOPBACK = "127.0.0.1"
+SOURCE = Path(__file__).resolve().parent.parent / "service"
 
 
 def free_port() -> int:
@@ -51,6 +53,41 @@ class RunningServer:
             main = psutil.Process(self.process.pid)
             return [main, *main.children(recursive=True)]
         return []
+
+    def worker_pids(self) -> list[int]:
+        """Inference workers: the spawned children (spawn_main) of the server."""
+        workers = []
+        for process in self.tree()[1:]:
+            with contextlib.suppress(psutil.Error):
+                if "spawn_main" in " ".join(process.cmdline()):
+                    workers.append(process.pid)
+        return workers
+
+    def replaced_worker(self, before: set[int], timeout_s: float = 90) -> int:
+        """After one of the workers `before` was killed: the pid of the one started in its place, once the server
+        is ready again."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            now = set(self.worker_pids())
+            with contextlib.suppress(httpx.HTTPError):
+                if (
+                    len(now) == len(before)
+                    and now != before
+                    and httpx.get(self.url + "/health/ready").status_code == 200
+                ):
+                    (fresh,) = now - before
+                    return fresh
+            time.sleep(0.5)
+        raise TimeoutError(f"no worker was started in place of the one killed:\n{self.log_tail()}")
+
+    def tree_pss(self) -> int:
+        """Proportional set size of the whole process tree, in bytes: each page is charged 1/k to each of the k
+        processes that map it, so pages shared by every worker count once (RSS would count them once per worker)."""
+        total = 0
+        for process in self.tree():
+            with contextlib.suppress(psutil.Error):
+                total += process.memory_full_info().pss
+        return total
 
 
 def wait_ready(server: RunningServer, ready_path: str, timeout_s: float) -> None:
@@ -93,6 +130,8 @@ def running_server(
     """Run `command` (which must listen on 127.0.0.1:`port`) until the block ends; yields once it is ready."""
     environment = {**os.environ, **(env or {})}
     environment.pop("PROMETHEUS_MULTIPROC_DIR", None)  # each imgserve makes and wipes its own
+    # This checkout's imgserve, whichever one is installed.
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE), environment.get("PYTHONPATH")]))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
@@ -104,6 +143,30 @@ def running_server(
         yield server
     finally:
         stop(server)
+
+
+class Periodic:
+    """Calls `sample()` every `interval_s` seconds in a thread from the start of the block to its end (at most
+    `max_s`)."""
+
+    def __init__(self, sample: Callable[[], None], interval_s: float, max_s: float = 24 * 3600) -> None:
+        self.sample, self.interval_s, self.max_s = sample, interval_s, max_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        until = time.monotonic() + self.max_s
+        while not self._stop.is_set() and time.monotonic() < until:
+            self.sample()
+            self._stop.wait(self.interval_s)
 
 
 @dataclass

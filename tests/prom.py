@@ -44,6 +44,7 @@ CONTRACT_METRICS = HISTOGRAMS | {
     "imgserve_gpu_memory_used_bytes",
     "imgserve_gpu_memory_total_bytes",
     "imgserve_model_info",
+    "imgserve_model_weight_bytes",
     "imgserve_build_info",
     "DCGM_FI_DEV_GPU_UTIL",
     "DCGM_FI_DEV_FB_USED",

@@ -65,14 +65,6 @@ class Server(RunningServer):
         """Where this server's request slots live in /dev/shm."""
         return server_directory(self.process.pid)
 
-    def tree_rss(self) -> int:
-        """Resident memory of the whole process tree, in bytes."""
-        total = 0
-        for process in self.tree():
-            with contextlib.suppress(psutil.Error):
-                total += process.memory_info().rss
-        return total
-
     def descendants(self) -> set[int]:
         """PIDs of every process below the server's main process."""
         return {process.pid for process in self.tree()[1:]}
@@ -96,16 +88,6 @@ class Server(RunningServer):
             with contextlib.suppress(psutil.Error):
                 found += [(process.pid, c.laddr) for c in process.net_connections(kind="unix") if c.laddr]
         return found
-
-    def worker_pids(self) -> list[int]:
-        """Inference workers: the spawned children (spawn_main) of the server."""
-        workers = []
-        for process in self.tree()[1:]:
-            with contextlib.suppress(psutil.Error):
-                command = " ".join(process.cmdline())
-                if "spawn_main" in command:
-                    workers.append(process.pid)
-        return workers
 
 
 def _status(process: psutil.Process) -> str:

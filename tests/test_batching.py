@@ -153,3 +153,18 @@ def test_a_model_answering_with_a_broadcast_view_still_gets_its_pixels() -> None
     [output] = runner(pad=False, model=Grey())([image])
     assert output.shape == image.shape and (output == output[0, 0, 0]).all()
     assert abs(int(output[0, 0, 0]) - round(float(image.array.mean()))) <= 1
+
+
+def test_the_memory_plan_shares_the_fraction_among_the_devices_workers_and_keeps_room_for_slots() -> None:
+    alone = BatchRunner(build_denoiser(), torch.device("cpu")).measure(0.8).budget_bytes
+    room = alone // 4
+    shared = BatchRunner(build_denoiser(), torch.device("cpu")).measure(0.8, sharers=4, reserved_bytes=room)
+    assert abs(4 * shared.budget_bytes + room - alone) < 0.05 * alone  # MemAvailable moves a little in between
+    huge = BatchRunner(build_denoiser(), torch.device("cpu")).measure(0.8, sharers=1, reserved_bytes=2**50)
+    assert abs(2 * huge.budget_bytes - alone) < 0.05 * alone  # the slots' room is at most half
+
+
+def test_split_seconds_times_the_batch_work_and_the_model_call() -> None:
+    runner = BatchRunner(build_denoiser(), torch.device("cpu"))
+    cpu_s, device_s = runner.split_seconds([InMemory(np.zeros((32, 32, 3), dtype=np.uint8))] * 2)
+    assert cpu_s >= 0 and device_s > 0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from imgserve import config
-from imgserve.config import MAX_CPU_WORKERS, Settings, usable_cpus
+from imgserve.config import MAX_CPU_WORKERS, MAX_GPU_WORKERS, Settings, gpu_workers_for, usable_cpus
 
 
 @pytest.mark.parametrize(
@@ -31,9 +31,21 @@ def test_usable_cpus_without_a_cgroup_file_is_the_affinity_mask(tmp_path: Path, 
 def test_workers_per_device_auto_is_one_per_gpu_and_one_per_core_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(config, "usable_cpus", lambda: 16)  # a 16-core machine, which this one is not
     assert Settings().workers_on("cuda") == 1
+    assert Settings().workers_on("cuda", gpu_workers=3) == 3
     assert Settings().workers_on("cpu") == MAX_CPU_WORKERS
     assert Settings(workers_per_device="3").workers_on("cuda") == 3
     monkeypatch.setattr(config, "usable_cpus", lambda: 2)
     assert Settings().workers_on("cpu") == 2
     with pytest.raises(ValueError, match="workers_per_device must be >= 1"):
         Settings(workers_per_device=0)
+
+
+def test_workers_per_gpu_auto_overlaps_the_workers_cpu_work_with_the_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(config, "usable_cpus", lambda: 16)
+    assert gpu_workers_for(cpu_s=0.001, device_s=0.050) == 1  # the GPU is busy 98% of the time with one worker
+    assert gpu_workers_for(cpu_s=0.020, device_s=0.020) == 2  # 50% alone: a second worker fills the gaps
+    assert gpu_workers_for(cpu_s=0.060, device_s=0.020) == 4  # 25% alone
+    assert gpu_workers_for(cpu_s=1.0, device_s=0.001) == MAX_GPU_WORKERS
+    assert gpu_workers_for(cpu_s=0.01, device_s=0.0) == 1
+    monkeypatch.setattr(config, "usable_cpus", lambda: 4)
+    assert gpu_workers_for(cpu_s=0.060, device_s=0.020) == 2  # half the cores stay with the front ends

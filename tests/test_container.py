@@ -29,13 +29,15 @@ DRAIN_S = 20
 
 @contextlib.contextmanager
 def running_container(name: str, *options: str) -> Iterator[str]:
-    """The image run on the host network, serving on a free loopback port; yields its URL once it is ready."""
+    """The image run on the host network, serving on a free loopback port (gRPC off: its default port may be another
+    server's on the shared network); yields its URL once it is ready."""
     require_podman()
     port = free_port()
     with removed_after(name):
         podman(
             "run", "--detach", f"--name={name}", "--network=host", f"--shm-size={SHM_BYTES // 2**20}m",
-            f"--env=IMGSERVE_HOST={LOOPBACK}", f"--env=IMGSERVE_PORT={port}", *options, image(),
+            f"--env=IMGSERVE_HOST={LOOPBACK}", f"--env=IMGSERVE_PORT={port}", "--env=IMGSERVE_GRPC_PORT=0",
+            *options, image(),
         )  # fmt: skip
         url = f"http://{LOOPBACK}:{port}"
         wait_until(lambda: ready(name, url), 180, f"container {name} ready")

@@ -21,7 +21,7 @@ ROLES = {
     "models": set(),
     "tools": {"models"},
 }
-SHARED = {"imgserve", "imgserve.config", "imgserve.errors", "imgserve.metrics"}
+SHARED = {"imgserve", "imgserve.config", "imgserve.errors", "imgserve.heap", "imgserve.metrics"}
 ENTRY_POINTS = {"imgserve.cli", "imgserve.__main__"}  # the command may start the server; nothing else imports it
 
 

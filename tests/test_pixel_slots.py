@@ -23,7 +23,8 @@ from imgserve.handoff.dispatch import Dispatcher
 from imgserve.handoff.slots import InSlot, SlotFiles
 from imgserve.handoff.state import SharedState
 from imgserve.models.denoiser import build_denoiser
-from imgserve.worker.api import ImageAPI
+from imgserve.models.shared import SharedWeights
+from imgserve.worker.api import ImageAPI, WorkerPlan
 from imgserve.worker.batching import BatchRunner, InMemory
 from litserve.utils import LitAPIStatus
 from serving import image_bytes, start_server, stop_server, wait_ready
@@ -75,10 +76,15 @@ def test_a_new_server_removes_the_slots_of_dead_servers_only(tmp_path: Path, mon
     assert (tmp_path / f"imgserve-{os.getppid()}").exists()
 
 
+def worker_plan(slot_dir: Path, batch_size: int) -> WorkerPlan:
+    """One worker alone on its device, loading its own copy of the model."""
+    return WorkerPlan(slot_dir, SharedWeights(0, reason="a test worker"), batch_size, 1, 1, 0)
+
+
 def test_the_worker_reads_pixels_from_the_slot_and_answers_with_a_few_bytes(slot_dir: Path) -> None:
     settings = Settings(max_batch_size=4)
     state = SharedState(workers=1, request_slots=8)
-    api = ImageAPI(settings, state, slot_dir, batch_size=4, torch_threads=1)
+    api = ImageAPI(settings, state, worker_plan(slot_dir, batch_size=4))
     api.setup("cpu")
     images = [np.random.default_rng(i).integers(0, 256, (256, 320, 3), dtype=np.uint8) for i in range(3)]
     files, requests = SlotFiles(slot_dir), []
@@ -98,7 +104,7 @@ def test_the_worker_reads_pixels_from_the_slot_and_answers_with_a_few_bytes(slot
 
 def test_a_result_is_not_written_into_a_slot_that_moved_on(slot_dir: Path) -> None:
     state = SharedState(workers=1, request_slots=2)
-    api = ImageAPI(Settings(), state, slot_dir, batch_size=1, torch_threads=1)
+    api = ImageAPI(Settings(), state, worker_plan(slot_dir, batch_size=1))
     api.slots = SlotFiles(slot_dir)
     state.set_owner(0, 99)  # the front end gave request 5 up and put request 99 in slot 0
     answer = api._place({"slot": (0, 5)}, np.ones((200, 200, 3), dtype=np.uint8))
@@ -181,7 +187,7 @@ def test_after_a_flood_a_kill_and_a_sigterm_shared_memory_and_rss_are_back_at_ba
         wait_ready(server)
         url = f"{server.url}/predict"
         assert httpx.post(url, content=image_bytes(64, 64), headers={"Content-Type": "image/png"}).status_code == 200
-        baseline = server.tree_rss()
+        baseline = server.tree_pss()
         big = square_jpegs(768, count=2)
         flood = run_closed_loop(url, users=32, seconds=6, images=big)
         assert flood.failed == 0 and flood.answered, flood.errors()
@@ -196,7 +202,7 @@ def test_after_a_flood_a_kill_and_a_sigterm_shared_memory_and_rss_are_back_at_ba
         time.sleep(8)  # idle: free slots empty themselves, idle workers give their batch memory back
         held = {path.name: path.stat().st_blocks * 512 for path in server.slot_directory.iterdir()}
         assert server.metric("imgserve_shared_memory_bytes") == 0, f"slot files still holding memory: {held}"
-        assert server.tree_rss() < baseline * 1.3, (baseline, server.tree_rss())
+        assert server.tree_pss() < baseline * 1.3, (baseline, server.tree_pss())
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=30) == 0
         assert not server.slot_directory.exists(), "the server left shared memory behind"

@@ -41,7 +41,8 @@ Manifest = dict[str, Any]
 def render(port: int) -> list[Manifest]:
     """The chart rendered with the pod test's values, serving on `port`."""
     rendered = subprocess.run(
-        [tool("helm"), "template", "imgserve", str(CHART), "-f", str(VALUES), f"--set=containerPort={port}"],
+        [tool("helm"), "template", "imgserve", str(CHART), "-f", str(VALUES), f"--set=containerPort={port}"]
+        + [f"--set=grpcPort={free_port()}"],  # the host network is shared: no fixed port
         capture_output=True,
         text=True,
         check=True,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Annotated, Literal
@@ -13,6 +14,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 BUILTIN_MODEL = "builtin:denoiser"
 MAX_CPU_WORKERS = 4
+MAX_GPU_WORKERS = 4
+GPU_BUSY_GOAL = 0.9  # workers_per_device auto on a GPU: the share of time the GPU should have work
 MAX_FRONT_ENDS = 4
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 # torchvision's ImageNet weight transforms (ImageClassification preset): what --preprocess imagenet sets.
@@ -36,6 +39,18 @@ def usable_cpus() -> int:
         if quota != "max":
             cpus = min(cpus, max(1, int(quota) // int(period)))
     return cpus
+
+
+def gpu_workers_for(cpu_s: float, device_s: float) -> int:
+    """Workers per GPU for `workers_per_device auto`, from one batch's seconds of a worker's own CPU work (filling
+    the batch, taking the results apart) and of the model on the GPU. A worker does the two in turn, so alone it
+    keeps the GPU busy device/(cpu + device) of the time; k workers overlap one's CPU work with another's model
+    call: the fewest that reach GPU_BUSY_GOAL, at most MAX_GPU_WORKERS and half the cores (the front ends decode on
+    the others). Extra workers cost a CUDA context each, not another copy of the weights."""
+    if device_s <= 0:
+        return 1
+    wanted = math.ceil(GPU_BUSY_GOAL * (cpu_s + device_s) / device_s)
+    return max(1, min(wanted, MAX_GPU_WORKERS, usable_cpus() // 2))
 
 
 def _without_traceback(record: logging.LogRecord) -> bool:
@@ -113,8 +128,14 @@ class Settings(BaseSettings):
     precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="fp16/bf16 run under autocast.")
     workers_per_device: int | Literal["auto"] = Field(
         "auto",
-        description="Inference worker processes per device (one model copy and cores/workers torch threads each); "
-        f"auto = 1 per GPU, one per core on a CPU (at most {MAX_CPU_WORKERS}).",
+        description="Inference worker processes per device (cores/workers torch threads each); auto = on a CPU "
+        f"one per core (at most {MAX_CPU_WORKERS}); on a GPU as many as keep it {GPU_BUSY_GOAL:.0%} busy while each "
+        f"does its own CPU work, measured at start (at most {MAX_GPU_WORKERS} and half the cores).",
+    )
+    share_weights: bool = Field(
+        True,
+        description="One copy of the weights per device for all its workers (a read-only /dev/shm mapping on a "
+        "CPU, CUDA IPC on a GPU); off = a private copy per worker.",
     )
     max_batch_size: int | Literal["auto"] = Field(
         8,
@@ -133,7 +154,11 @@ class Settings(BaseSettings):
         "a model that fails on it at warm-up falls back to NCHW.",
     )
     gpu_memory_fraction: float = Field(
-        0.8, gt=0, le=1, description="Share of free device memory (RAM on CPU) that batches may use."
+        0.8,
+        gt=0,
+        le=1,
+        description="Share of free device memory (RAM on CPU) that the batches of all the device's workers together "
+        "may use (on a CPU less the request slots' room).",
     )
 
     # Admission and deadlines.
@@ -194,19 +219,21 @@ class Settings(BaseSettings):
         if self.log_level != "debug":  # a worker's failed setup: one line; `imgserve serve` ends with the reason
             logging.getLogger("litserve.loops.loops").addFilter(_without_traceback)
 
-    def workers_on(self, device_type: str) -> int:
-        """Workers per device: one per GPU keeps it busy; on a CPU single-threaded workers beat one wide one."""
+    def workers_on(self, device_type: str, gpu_workers: int = 1) -> int:
+        """Workers per device: on a CPU single-threaded workers beat one wide one; on a GPU `gpu_workers`, what
+        `gpu_workers_for` chose from a measurement."""
         if self.workers_per_device != "auto":
             return self.workers_per_device
-        return 1 if device_type == "cuda" else min(usable_cpus(), MAX_CPU_WORKERS)
+        return gpu_workers if device_type == "cuda" else min(usable_cpus(), MAX_CPU_WORKERS)
 
-    def front_ends_on(self, device_type: str) -> int:
-        """HTTP front ends: on a GPU the workers leave most cores to decoding and encoding; on a CPU they take them."""
+    def front_ends_on(self, device_type: str, workers: int) -> int:
+        """HTTP front ends: on a GPU the `workers` leave most cores to decoding and encoding; on a CPU they take
+        them."""
         if self.api_servers != "auto":
             return self.api_servers
         if device_type != "cuda":
             return 1
-        return max(1, min(usable_cpus() - self.workers_on(device_type), MAX_FRONT_ENDS))
+        return max(1, min(usable_cpus() - workers, MAX_FRONT_ENDS))
 
     def pads_on(self, device_type: str) -> bool:
         """Padding mixed sizes pays on a GPU (a bigger batch is nearly free); on a CPU it only adds pixels."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
@@ -75,26 +76,42 @@ WORKER_RESTARTS = Counter("imgserve_worker_restarts_total", "Inference workers r
 FRONT_END_RESTARTS = Counter("imgserve_front_end_restarts_total", "HTTP front ends restarted after dying")
 
 
-class PodCollector:
-    """Scrape-time gauges: queue depth from shared memory, model/build info, GPU utilization and memory (NVML)."""
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the pod serves, fixed at start: the model, its precision, its devices, the bytes its weights hold on each
+    device (once when the workers share them, once per worker when not) and the imgserve version."""
 
-    def __init__(
-        self, state: SharedState, slot_directory: Path, model: str, precision: str, device: str, version: str
-    ) -> None:
-        self.state, self.slot_directory = state, slot_directory
-        self.model, self.precision, self.device, self.version = model, precision, device, version
+    model: str
+    precision: str
+    devices: list[str]
+    weight_bytes_per_device: int
+    version: str
+
+
+class PodCollector:
+    """Scrape-time gauges: queue depth from shared memory, model/build info and weight memory, GPU utilization and
+    memory (NVML)."""
+
+    def __init__(self, state: SharedState, slot_directory: Path, facts: ModelFacts) -> None:
+        self.state, self.slot_directory, self.facts = state, slot_directory, facts
 
     def collect(self) -> Iterator[Metric]:
+        facts = self.facts
         depth = GaugeMetricFamily("imgserve_queue_depth", "Requests admitted and not yet answered (this pod)")
         depth.add_metric([], self.state.queue_depth)
         info = GaugeMetricFamily("imgserve_model_info", "The model served", labels=["model", "precision", "device"])
-        info.add_metric([self.model, self.precision, self.device], 1)
+        info.add_metric([facts.model, facts.precision, facts.devices[0]], 1)
+        weights = GaugeMetricFamily(
+            "imgserve_model_weight_bytes", "Memory the weights hold on each device, all its workers", labels=["device"]
+        )
+        for device in facts.devices:
+            weights.add_metric([device], facts.weight_bytes_per_device)
         build = GaugeMetricFamily("imgserve_build_info", "The imgserve version", labels=["version"])
-        build.add_metric([self.version], 1)
+        build.add_metric([facts.version], 1)
         shm = GaugeMetricFamily("imgserve_shared_memory_bytes", "Memory held by the request slots in /dev/shm")
         shm.add_metric([], bytes_in_use(self.slot_directory))
-        yield from (depth, info, build, shm)
-        if self.device.startswith("cuda"):
+        yield from (depth, info, weights, build, shm)
+        if facts.devices[0].startswith("cuda"):
             yield from _gpu_metrics()
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import litserve as ls
+import numpy as np
 import torch
 import uvicorn
 from litserve.server import _Server as FrontEndServer
@@ -27,7 +28,7 @@ from litserve.utils import WorkerSetupStatus
 from starlette.routing import Route
 
 from imgserve import __version__, metrics
-from imgserve.config import Settings, usable_cpus
+from imgserve.config import GPU_BUSY_GOAL, MAX_CPU_WORKERS, Settings, gpu_workers_for, usable_cpus
 from imgserve.errors import install_handlers
 from imgserve.frontend.admission import Admission, AdmissionMiddleware, queue_bound
 from imgserve.frontend.auth import ApiKeyMiddleware, read_keys
@@ -42,14 +43,16 @@ from imgserve.handoff.dispatch import Dispatcher
 from imgserve.handoff.requests import RequestSocket
 from imgserve.handoff.slots import create_directory, remove_directory
 from imgserve.handoff.state import SharedState
-from imgserve.models import outputs
-from imgserve.models.loader import ModelLoadError, check_model_source
+from imgserve.models import outputs, shared
+from imgserve.models.loader import ModelLoadError, check_model_source, load_model
+from imgserve.models.shared import SharedWeights
 from imgserve.supervisor.children import Supervisor
 from imgserve.supervisor.lifecycle import install_drain_on_sigterm
-from imgserve.worker.api import ImageAPI
-from imgserve.worker.batching import AUTO_BATCH_CAP
+from imgserve.worker.api import ImageAPI, WorkerPlan
+from imgserve.worker.batching import AUTO_BATCH_CAP, BatchRunner, InMemory
 
 log = logging.getLogger(__name__)
+PROBE_BATCH = 8  # the batch timed for workers_per_device auto on a GPU when max_batch_size is auto too
 
 
 def resolve_device(device: str) -> str:
@@ -62,27 +65,75 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def load_weights(settings: Settings, device_type: str, devices: int, directory: Path) -> SharedWeights:
+    """Load the model once, here in the main process, and share its weights with the workers of each device."""
+    try:
+        model = load_model(settings.model, settings.model_factory, settings.trust_pickle)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # the user's factory or file: one line, as a worker's failure would say it
+        raise ModelLoadError(f"cannot load the model: {type(exc).__name__}: {exc}") from None
+    names = [f"cuda:{index}" for index in range(devices)] if device_type == "cuda" else ["cpu"]
+    return shared.prepare(model, device_type, names, directory, settings.share_weights, settings.channels_last)
+
+
+def choose_gpu_workers(settings: Settings, weights: SharedWeights, device_type: str) -> tuple[int, str]:
+    """workers_per_device auto: on a GPU from one probe batch timed on cuda:0 (config.gpu_workers_for); the reason."""
+    if device_type != "cuda":
+        return 1, f"one per core, at most {MAX_CPU_WORKERS}"
+    device = torch.device("cuda:0")
+    shared_tensors = weights.owner.get(str(device))  # the main process's copy: adopted, not copied
+    model = load_model(settings.model, settings.model_factory, settings.trust_pickle, shared_tensors).to(device)
+    runner = BatchRunner.for_settings(model, device, settings)
+    runner.measure(settings.gpu_memory_fraction)  # warm-up (and the channels_last fallback)
+    batch = settings.max_batch_size if isinstance(settings.max_batch_size, int) else PROBE_BATCH
+    side = runner.probe_side
+    images = [InMemory(np.zeros((side, side, 3), dtype=np.uint8)) for _ in range(batch)]
+    cpu_s, device_s = runner.split_seconds(images)
+    del runner, model
+    torch.cuda.empty_cache()
+    workers = gpu_workers_for(cpu_s, device_s)
+    return workers, (
+        f"a batch of {batch} {side}x{side} images took {1000 * cpu_s:.1f} ms of a worker's CPU and "
+        f"{1000 * device_s:.1f} ms on the GPU: {workers} worker(s) keep it {GPU_BUSY_GOAL:.0%} busy"
+    )
+
+
 class ImageServer(ls.LitServer):
     """LitServer with imgserve's own predict/health/info/metrics routes and admission in front."""
 
-    def __init__(self, settings: Settings, slot_directory: Path) -> None:
+    def __init__(self, settings: Settings, slot_directory: Path, weights_directory: Path) -> None:
         self.settings, self.slot_directory = settings, slot_directory
         self.accelerator = resolve_device(settings.device)
         devices = torch.cuda.device_count() if self.accelerator == "cuda" else 1
-        workers_per_device = settings.workers_on(self.accelerator)
+        self.weights = load_weights(settings, self.accelerator, devices, weights_directory)
+        gpu_workers, self.workers_reason = 1, "set by --workers-per-device"
+        if settings.workers_per_device == "auto":
+            gpu_workers, self.workers_reason = choose_gpu_workers(settings, self.weights, self.accelerator)
+        self.workers_per_device = workers_per_device = settings.workers_on(self.accelerator, gpu_workers)
         self.worker_count = devices * workers_per_device
         auto_batch = settings.max_batch_size == "auto"
         self.configured_batch_size = 1 if auto_batch else settings.max_batch_size
         largest_batch = AUTO_BATCH_CAP if auto_batch else settings.max_batch_size
         # A front end may hold every admitted request, and as many again given up on whose workers still have them.
         slots_per_front_end = 2 * queue_bound(settings, self.worker_count, largest_batch)
-        self.front_ends = settings.front_ends_on(self.accelerator)
+        self.front_ends = settings.front_ends_on(self.accelerator, workers_per_device)
         self.state = SharedState(
             self.worker_count, request_slots=slots_per_front_end * self.front_ends, front_ends=self.front_ends
         )
         self.dispatcher = Dispatcher(self.state, self.slot_directory, slots_per_front_end, settings.retry_after_s)
         self.torch_threads = max(1, usable_cpus() // self.worker_count)
-        api = ImageAPI(settings, self.state, self.slot_directory, self.configured_batch_size, self.torch_threads)
+        # On a CPU the slots live in the same RAM as the batches: room for every admitted request at its largest.
+        admitted = 0 if self.accelerator == "cuda" else queue_bound(settings, self.worker_count, largest_batch)
+        plan = WorkerPlan(
+            slot_directory,
+            self.weights,
+            self.configured_batch_size,
+            self.torch_threads,
+            workers_per_device,
+            admitted * 3 * settings.max_image_pixels,
+        )
+        api = ImageAPI(settings, self.state, plan)
         self.supervisor = Supervisor(self)  # started with the front ends (_start_server)
         self.admission = Admission(self.state, settings, lambda: self.queue_limit)
         super().__init__(
@@ -100,8 +151,13 @@ class ImageServer(ls.LitServer):
         )
         install_handlers(self.app)
         self._monitor_workers = False  # imgserve's own monitor answers for the dead worker's requests
+        copies = 1 if self.weights.shared else workers_per_device
         self.pod_collector = metrics.PodCollector(
-            self.state, slot_directory, settings.model, settings.precision, self.device_names[0], __version__
+            self.state,
+            slot_directory,
+            metrics.ModelFacts(
+                settings.model, settings.precision, self.device_names, copies * self.weights.nbytes, __version__
+            ),
         )
         metrics.preregister()
 
@@ -237,13 +293,17 @@ class ImageServer(ls.LitServer):
         limits = self.state.limits
         return {
             "model": self.settings.model,
-            "device": self.pod_collector.device,
+            "device": self.device_names[0],
             "devices": self.device_names,
             "precision": self.settings.precision,
             "workers": self.worker_count,
+            "workers_per_device": self.workers_per_device,
+            "workers_per_device_why": self.workers_reason,
             "api_servers": self.front_ends,
             "torch_threads_per_worker": self.torch_threads,
+            "weights": self.weights.describe(),
             "max_batch_size": limits["max_batch_size"] or self.settings.max_batch_size,
+            "batch_memory_budget_bytes_per_worker": limits["budget_bytes"],
             "batch_pixel_budget": limits["pixel_budget"],
             "batch_timeout_ms": self.settings.batch_timeout_ms,
             "max_queue_depth": self.queue_limit,
@@ -288,8 +348,9 @@ def serve(settings: Settings) -> int:
         )
         return 2
     slot_directory = create_directory(os.getpid())
+    weights_directory = create_directory(os.getpid(), "weights")
     try:
-        server = ImageServer(settings, slot_directory)
+        server = ImageServer(settings, slot_directory, weights_directory)
         install_drain_on_sigterm(server)
         server.run(
             host=settings.host,
@@ -301,12 +362,16 @@ def serve(settings: Settings) -> int:
             http=GuardedHttpToolsProtocol.configured(settings, server.admission),
             ws="none",
         )
+    except ModelLoadError as exc:
+        log.error("imgserve: %s", exc)
+        return 2
     except RuntimeError as exc:  # a worker's setup failed: it left its reason in the shared state
         for worker in server.inference_workers:  # the others would log their own failure after ours
             worker.terminate()
             worker.join(timeout=5)
         log.error("imgserve: %s", server.state.setup_failure or f"the model failed to load or warm up ({exc})")
         return 2
-    finally:
+    finally:  # LitServe has stopped the workers: nothing maps the weights any more
         remove_directory(slot_directory)
+        remove_directory(weights_directory)
     return server.state.exit_code

@@ -253,10 +253,12 @@ def rows() -> list[tuple[str, list[Builder]]]:
                 ),
                 graph(
                     "GPU memory",
-                    "Used and total per device from the pods, and framebuffer used from dcgm-exporter (MiB to bytes).",
+                    "Used and total per device from the pods, framebuffer used from dcgm-exporter (MiB to bytes), and "
+                    "what the model's weights hold on each device (once when the workers share them).",
                     "bytes",
                     [
                         (f"sum by (pod, device) (imgserve_gpu_memory_used_bytes{{{PODS}}})", "{{pod}} {{device}} used"),
+                        (f"sum by (pod, device) (imgserve_model_weight_bytes{{{PODS}}})", "{{pod}} {{device}} weights"),
                         (
                             f"sum by (pod, device) (imgserve_gpu_memory_total_bytes{{{PODS}}})",
                             "{{pod}} {{device}} total",

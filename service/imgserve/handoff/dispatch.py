@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from imgserve import metrics
+from imgserve import heap, metrics
 from imgserve.errors import ApiError
 from imgserve.handoff.answers import FrontEndAnswers
 from imgserve.handoff.slots import InSlot, SlotFiles
@@ -179,10 +179,12 @@ class Dispatcher:
         while True:
             await asyncio.sleep(1.0)
             now = time.monotonic()
-            for index, freed_at in list(self._freed_at.items()):
-                if now - freed_at > IDLE_SLOT_S:
-                    self.files.trim(index, keep_bytes=0)
-                    del self._freed_at[index]
+            idle = [index for index, freed_at in self._freed_at.items() if now - freed_at > IDLE_SLOT_S]
+            for index in idle:
+                self.files.trim(index, keep_bytes=0)
+                del self._freed_at[index]
+            if idle and not self._pending:  # a burst is over: the decoding threads' heap memory goes back too
+                heap.trim()
             for pending in [p for p in self._pending.values() if p.given_up]:
                 taken = self.state.taken_by(pending.slot, pending.ticket) is not None
                 if self._lost(pending) or (not taken and now > pending.deadline + ORPHAN_GRACE_S):

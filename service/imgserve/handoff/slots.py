@@ -35,18 +35,19 @@ class InSlot:
         return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
 
 
-def server_directory(main_pid: int) -> Path:
-    """Where the slots of the server whose main process is `main_pid` live."""
-    return SHM_ROOT / f"{PREFIX}{main_pid}"
+def server_directory(main_pid: int, purpose: str = "") -> Path:
+    """Where the slots (or, with a `purpose` such as "weights", other files) of the server whose main process is
+    `main_pid` live."""
+    return SHM_ROOT / f"{PREFIX}{main_pid}{'.' + purpose if purpose else ''}"
 
 
-def create_directory(main_pid: int) -> Path:
-    """A fresh slot directory for this server; those of servers no longer running are removed first."""
+def create_directory(main_pid: int, purpose: str = "") -> Path:
+    """A fresh directory for this server; those of servers no longer running are removed first."""
     for stale in SHM_ROOT.glob(f"{PREFIX}*"):
-        pid = stale.name.removeprefix(PREFIX)
+        pid = stale.name.removeprefix(PREFIX).partition(".")[0]
         if pid.isdigit() and not _running(int(pid)):
             shutil.rmtree(stale, ignore_errors=True)
-    directory = server_directory(main_pid)
+    directory = server_directory(main_pid, purpose)
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(mode=0o700)
     return directory
@@ -63,7 +64,7 @@ def bytes_in_use(directory: Path) -> int:
 
 
 def remove_directory(directory: Path) -> None:
-    """Free every slot's memory (at shutdown, in the main process)."""
+    """Free the memory of every file in it (at shutdown, in the main process)."""
     shutil.rmtree(directory, ignore_errors=True)
 
 

@@ -22,6 +22,7 @@ class SharedState:
         self._exit_code = _ctx.Value("i", 0)
         self._batch_size = _ctx.Value("i", 0)
         self._pixel_budget = _ctx.Value("q", 0)
+        self._budget_bytes = _ctx.Value("q", 0)
         self._alive = _ctx.Array("b", [1] * workers)
         self._lost_at = _ctx.Array("d", [0.0] * workers)
         # Per request slot: the front end's ticket (one writer), and which worker took it (first taker wins).
@@ -71,8 +72,9 @@ class SharedState:
         return self._exit_code.value
 
     # What the workers decided at warm-up.
-    def set_limits(self, batch_size: int, pixel_budget: int) -> None:
+    def set_limits(self, batch_size: int, pixel_budget: int, budget_bytes: int) -> None:
         self._batch_size.value, self._pixel_budget.value = batch_size, pixel_budget
+        self._budget_bytes.value = budget_bytes
 
     def set_task(self, kind: str) -> None:
         self._task.value = kind.encode()
@@ -95,6 +97,7 @@ class SharedState:
         return {
             "max_batch_size": self._batch_size.value or None,
             "pixel_budget": self._pixel_budget.value or None,
+            "budget_bytes": self._budget_bytes.value or None,
         }
 
     # Worker health, kept by the main process's monitor.

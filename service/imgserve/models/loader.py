@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import pickle
@@ -14,7 +15,7 @@ import torch
 
 from imgserve.config import BUILTIN_MODEL
 
-Model = Callable[[torch.Tensor], torch.Tensor]
+Weights = dict[str, torch.Tensor]
 
 
 class ModelLoadError(RuntimeError):
@@ -43,14 +44,63 @@ def check_model_source(spec: str, factory: str | None) -> None:
         _import_factory(factory)
 
 
-def load_model(spec: str, factory: str | None = None, trust_pickle: bool = False) -> Model:
-    """The model in eval mode on the CPU; the caller moves it to its device."""
+def load_model(
+    spec: str, factory: str | None = None, trust_pickle: bool = False, shared: Weights | None = None
+) -> torch.nn.Module:
+    """The model in eval mode on the CPU; with `shared` (the tensors of the main process's one copy, see
+    models/shared.py), those tensors become its parameters and buffers and its own are never loaded (factory
+    formats and the built-in model: built on the meta device) or dropped (TorchScript, torch.export, a pickle)."""
     check_model_source(spec, factory)
+    if shared is not None and (spec == BUILTIN_MODEL or factory):
+        return _built_around(_builder(spec, factory), shared)
+    model = _load(Path(spec), factory, trust_pickle, lazy=shared is not None)
+    return model if shared is None else adopt(model, shared)
+
+
+def adopt(module: torch.nn.Module, tensors: Weights) -> torch.nn.Module:
+    """Make `tensors` the module's parameters and buffers, without copying them; eval mode, no gradients."""
+    try:
+        module.load_state_dict(tensors, assign=True)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"the shared weights do not fit the model: {exc}") from None
+    return for_inference(module)
+
+
+def for_inference(module: torch.nn.Module) -> torch.nn.Module:
+    """Eval mode (an exported program's module keeps the mode it was exported in: it refuses eval()), no gradients
+    (parameter by parameter: a ScriptModule has no requires_grad_)."""
+    with contextlib.suppress(NotImplementedError):
+        module.eval()
+    for parameter in module.parameters():
+        parameter.requires_grad_(False)
+    return module
+
+
+def _built_around(build: Callable[[], torch.nn.Module], tensors: Weights) -> torch.nn.Module:
+    """The module built without weights (meta device) around `tensors`; built for real when the factory makes a
+    tensor the state does not hold (a non-persistent buffer), whose own weights are then dropped."""
+    with torch.device("meta"):
+        module = adopt(build(), tensors)
+    named = [*module.named_parameters(), *module.named_buffers()]
+    if any(tensor.is_meta for _, tensor in named):
+        module = adopt(build(), tensors)
+    return module
+
+
+def _builder(spec: str, factory: str | None) -> Callable[[], torch.nn.Module]:
     if spec == BUILTIN_MODEL:
+        from imgserve.models.denoiser import Denoiser
+
+        return Denoiser
+    return _import_factory(factory or "")
+
+
+def _load(path: Path, factory: str | None, trust_pickle: bool, lazy: bool) -> torch.nn.Module:
+    """The model with its own weights; `lazy` maps a zip archive's weights instead of reading them (to be replaced)."""
+    if str(path) == BUILTIN_MODEL:
         from imgserve.models.denoiser import build_denoiser
 
         return build_denoiser().eval()
-    path = Path(spec)
     if path.suffix == ".pt2":
         return torch.export.load(str(path)).module()
     if path.suffix == ".safetensors":
@@ -59,8 +109,9 @@ def load_model(spec: str, factory: str | None = None, trust_pickle: bool = False
         return _with_state(factory, load_file(str(path)))
     if _is_torchscript(path):
         return torch.jit.load(str(path), map_location="cpu").eval()
+    mmap = lazy and zipfile.is_zipfile(path)
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError:
         if not trust_pickle:
             raise ModelLoadError(
@@ -68,7 +119,7 @@ def load_model(spec: str, factory: str | None = None, trust_pickle: bool = False
                 "Re-save it with torch.jit.save / torch.export.save / model.state_dict(), "
                 "or pass --trust-pickle if you trust its author."
             ) from None
-        loaded = torch.load(path, map_location="cpu", weights_only=False)
+        loaded = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
     if isinstance(loaded, torch.nn.Module):
         return loaded.eval()
     if isinstance(loaded, dict):

@@ -10,20 +10,21 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import litserve as ls
 import numpy as np
 import torch
-from imgserve import metrics
+from imgserve import heap, metrics
 from imgserve.config import Settings
 from imgserve.errors import ApiError
 from imgserve.handoff.slots import InSlot, SlotFiles
 from imgserve.handoff.state import SharedState
 from imgserve.models import outputs
 from imgserve.models.loader import ModelLoadError, load_model
-from imgserve.worker import memory as worker_memory
+from imgserve.models.shared import SharedWeights
 from imgserve.worker.batching import BatchRunner, Result
 from imgserve.worker.gather import GatheringLoop
 
@@ -41,35 +42,46 @@ class SlotPixels:
         self.slots.read_into(self.slot, out)
 
 
+@dataclass(frozen=True)
+class WorkerPlan:
+    """What the composition root decided for every worker: where the slots and the weights are, its batch size
+    (1 until auto measures it), its torch threads, how many workers share its device and the memory kept for slots."""
+
+    slot_directory: Path
+    weights: SharedWeights
+    batch_size: int
+    torch_threads: int
+    workers_per_device: int
+    reserved_bytes: int
+
+
 class ImageAPI(ls.LitAPI):
     """Images in (already decoded and validated by the HTTP front end), one result or ApiError per image out."""
 
-    def __init__(
-        self, settings: Settings, state: SharedState, slot_directory: Path, batch_size: int, torch_threads: int
-    ) -> None:
+    def __init__(self, settings: Settings, state: SharedState, plan: WorkerPlan) -> None:
         super().__init__(
-            max_batch_size=batch_size, batch_timeout=settings.batch_timeout_ms / 1000, loop=GatheringLoop(state)
+            max_batch_size=plan.batch_size, batch_timeout=settings.batch_timeout_ms / 1000, loop=GatheringLoop(state)
         )
-        self.settings, self.state, self.torch_threads = settings, state, torch_threads
-        self.slot_directory = slot_directory
+        self.settings, self.state, self.plan = settings, state, plan
 
     def setup(self, device: str) -> None:
         """Load the model on `device`, warm it up, measure its memory and fix the batch limits."""
         settings = self.settings
         settings.configure_logging()
-        self.slots = SlotFiles(self.slot_directory)
+        plan = self.plan
+        self.slots = SlotFiles(plan.slot_directory)
         torch_device = torch.device(device)
-        torch.set_num_threads(self.torch_threads)  # the worker's share of the cores: no oversubscription
-        worker_memory.hold_freed_memory()
+        torch.set_num_threads(plan.torch_threads)  # the worker's share of the cores: no oversubscription
         with self._reported("cannot load the model"):
-            model = load_model(settings.model, settings.model_factory, settings.trust_pickle)
-            if isinstance(model, torch.nn.Module):
-                model = model.to(torch_device)  # the loader already set eval mode (torch.export refuses eval())
+            shared = plan.weights.tensors(device) if plan.weights.shared else None
+            model = load_model(settings.model, settings.model_factory, settings.trust_pickle, shared)
+            model = model.to(torch_device)  # in place already when shared; the loader set eval mode
+        heap.hold_freed_memory()  # after loading: what a private load freed goes back to the system
         self.runner = BatchRunner.for_settings(model, torch_device, settings, on_oom=metrics.OOM_SPLITS.inc)
         with self._reported(
             f"the model failed warm-up on {device} with a {self.runner.probe_side}x{self.runner.probe_side} image"
         ):
-            memory = self.runner.measure(settings.gpu_memory_fraction)
+            memory = self.runner.measure(settings.gpu_memory_fraction, plan.workers_per_device, plan.reserved_bytes)
             # The output kind, decided from the warm-up output; the labels must name every class.
             self.runner.kind = outputs.decide(self.runner.warmup_output, settings.task)
             classes = outputs.class_count(self.runner.kind, self.runner.warmup_output)
@@ -78,12 +90,15 @@ class ImageAPI(ls.LitAPI):
         self.state.set_task(self.runner.kind)
         if settings.max_batch_size == "auto":
             self.max_batch_size = memory.batch_size_at(settings.max_image_pixels)
-        self.state.set_limits(self.max_batch_size, memory.pixel_budget)
+        self.state.set_limits(self.max_batch_size, memory.pixel_budget, memory.budget_bytes)
         log.info(
-            "worker ready on %s (%d torch threads): %.0f bytes/pixel, pixel budget %d, max batch %d",
+            "worker ready on %s (%d torch threads): weights %s, %.0f bytes/pixel, budget %d MiB = %d pixels, "
+            "max batch %d",
             device,
             torch.get_num_threads(),
+            "shared" if plan.weights.shared else "private",
             memory.bytes_per_pixel,
+            memory.budget_bytes >> 20,
             memory.pixel_budget,
             self.max_batch_size,
         )
@@ -97,6 +112,11 @@ class ImageAPI(ls.LitAPI):
             reason = str(exc) if isinstance(exc, ModelLoadError) else f"{failure}: {type(exc).__name__}: {exc}"
             self.state.fail_setup(" ".join(reason.split()))
             raise
+
+    def release_memory(self) -> None:
+        """Idle: the batch buffers kept for reuse and the heap's free memory go back to the system."""
+        self.runner.release()
+        heap.trim()
 
     def decode_request(self, request: dict[str, Any]) -> dict[str, Any]:
         """Nothing to decode: the front end decoded the upload into the slot."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import resource
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -185,6 +186,10 @@ class BatchRunner:
             flat = self._buffers[name] = torch.empty(numel, dtype=dtype, device=device, pin_memory=pinned)
         return flat[:numel].view(shape)
 
+    def release(self) -> None:
+        """Drop the reused batch buffers (when idle: the next batch allocates them again)."""
+        self._buffers.clear()
+
     def _host_batch(self, images: Sequence[Pixels], height: int, width: int) -> torch.Tensor:
         """The chunk as one uint8 NxHxWx3 buffer; smaller images are padded by repeating their edge pixels."""
         batch = self._buffer("host", (len(images), height, width, 3), torch.uint8, torch.device("cpu"))
@@ -220,8 +225,32 @@ class BatchRunner:
             with autocast:
                 return self.model(inputs)
 
-    def measure(self, memory_fraction: float) -> MemoryPlan:
-        """Warm up on a probe image and measure peak memory per pixel (CUDA allocator, or peak RSS on CPU)."""
+    def split_seconds(self, images: Sequence[Pixels]) -> tuple[float, float]:
+        """Seconds one batch of `images` (of one size) spends in this process's own work (filling the batch, taking
+        the results apart) and in the model call on the device (with the host-to-device copy), after a warm-up."""
+        self(images)
+        started = time.perf_counter()
+        self(images)
+        self._synchronize()
+        total = time.perf_counter() - started
+        batch = self._host_batch(images, *images[0].shape[:2])
+        self._synchronize()
+        started = time.perf_counter()
+        self.forward(batch)
+        self._synchronize()
+        device = time.perf_counter() - started
+        return max(total - device, 0.0), device
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def measure(self, memory_fraction: float, sharers: int = 1, reserved_bytes: int = 0) -> MemoryPlan:
+        """Warm up on a probe image and measure peak memory per pixel (CUDA allocator, or peak RSS on CPU).
+
+        The device's batch memory, `memory_fraction` of what is free now less `reserved_bytes` (kept for the request
+        slots), is shared by its `sharers` workers; the weights, held once and already in place, are not in it.
+        """
         probe = torch.randint(0, 256, (1, self.probe_side, self.probe_side, 3), dtype=torch.uint8)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -238,7 +267,9 @@ class BatchRunner:
             free = _available_ram()
         # Activations cannot be smaller than the input and output themselves.
         floor = 2 * probe.numel() * 4  # as float32
-        self.memory = MemoryPlan(max(peak, floor) / self.probe_side**2, int(memory_fraction * free))
+        usable = int(memory_fraction * free)
+        budget = (usable - min(reserved_bytes, usable // 2)) // sharers  # the slots get at most half
+        self.memory = MemoryPlan(max(peak, floor) / self.probe_side**2, budget)
         return self.memory
 
     def _first_forward(self, probe: torch.Tensor) -> Any:

@@ -14,7 +14,6 @@ from queue import Empty, Queue
 from typing import Any
 
 from imgserve.handoff.state import SharedState
-from imgserve.worker import memory as worker_memory
 from litserve import LitAPI
 from litserve.loops import BatchedLoop
 from litserve.loops.base import _SENTINEL_VALUE, _StopLoopError
@@ -39,7 +38,7 @@ class GatheringLoop(BatchedLoop):
         first = self._take(request_queue, IDLE_WAIT_S)
         if first is None:
             if self._busy_at is not None and time.monotonic() - self._busy_at > TRIM_AFTER_IDLE_S:
-                worker_memory.trim()
+                lit_api.release_memory()  # the ImageAPI's
                 self._busy_at = None
             return [], []
         self._busy_at = time.monotonic()

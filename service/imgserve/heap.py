@@ -1,9 +1,12 @@
-"""An inference worker's C heap: keep the memory of freed batches while busy, give it back when idle.
+"""A process's C heap: an inference worker keeps the memory of freed batches while busy; every process gives its
+free heap memory back once idle.
 
 glibc serves every allocation over 32 MiB (a CPU batch, an activation) with a fresh mmap, so each batch pays a
 page fault per 4 KiB: for a near-free model on 1 MP images that was 3/4 of the worker's CPU. With mmap off and
 trimming deferred, freed batches are reused as they are; `trim` hands the memory back once the worker is idle.
-Other C libraries (musl) keep their own behaviour: both calls then do nothing.
+An HTTP front end decodes on a thread pool, and glibc gives each thread an arena that keeps what was freed in it:
+`trim` empties every arena once a burst is over. Other C libraries (musl) keep their own behaviour: both calls
+then do nothing.
 """
 
 from __future__ import annotations
