@@ -20,7 +20,7 @@ import torch
 from litserve.utils import WorkerSetupStatus
 from starlette.routing import Route
 
-from imgserve import __version__, metrics
+from imgserve import __version__, heap, metrics
 from imgserve.config import GPU_BUSY_GOAL, MAX_CPU_WORKERS, Settings, gpu_workers_for, usable_cpus
 from imgserve.errors import install_handlers
 from imgserve.frontend.admission import Admission, AdmissionMiddleware, queue_bound
@@ -188,7 +188,9 @@ class ImageServer(ls.LitServer):
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
-        """Each front end's start: its dispatcher threads instead of LitServe's thread hop per answer."""
+        """Each front end's start: its dispatcher threads instead of LitServe's thread hop per answer; its decoding
+        threads share a few heap arenas."""
+        heap.few_arenas()
         front_end = app.response_queue_id
         self.dispatcher.start(front_end, self.request_queue, self._transport.receiver(front_end))
         yield
