@@ -142,6 +142,7 @@ class SoakResult:
     waited: float
     settled: int
     slots: float
+    peak_slots: float
     tally: Tally
 
     def goals(self) -> list[tuple[str, str, bool]]:
@@ -176,14 +177,21 @@ def soak(minutes: float, users: int, settings: dict[str, str], log: Path) -> Soa
         time.sleep(10)
         idle = server.tree_pss()
         samples: list[tuple[float, int]] = []
-        with Periodic(lambda: samples.append((time.monotonic(), server.tree_pss())), SAMPLE_S):
+        slots_seen: list[float] = []  # PSS does not see the slots (never mapped): their /dev/shm bytes, separately
+
+        def sample() -> None:
+            samples.append((time.monotonic(), server.tree_pss()))
+            with contextlib.suppress(httpx.HTTPError):
+                slots_seen.append(slot_bytes(server))
+
+        with Periodic(sample, SAMPLE_S):
             start = time.monotonic()
             tally = run_load(url, users, minutes * 60)
             end = time.monotonic()
         waited, settled, slots = settle(server, idle)
     loaded = [pss for t, pss in samples if start <= t <= end]
     first, last, change = trend(samples, start, end)
-    return SoakResult(idle, loaded, first, last, change, waited, settled, slots, tally)
+    return SoakResult(idle, loaded, first, last, change, waited, settled, slots, max(slots_seen, default=0.0), tally)
 
 
 def render(result: SoakResult, command: str, minutes: float, users: int) -> str:
@@ -192,7 +200,8 @@ def render(result: SoakResult, command: str, minutes: float, users: int) -> str:
         f"`{command}` — {machine()}; {minutes:g} min, {users} clients",
         "",
         f"PSS of the process tree: idle {result.idle / MIB:.0f} MiB; under load min {min(loaded) / MIB:.0f}, "
-        f"mean {statistics.mean(loaded) / MIB:.0f}, max {max(loaded) / MIB:.0f} MiB ({len(loaded)} samples)",
+        f"mean {statistics.mean(loaded) / MIB:.0f}, max {max(loaded) / MIB:.0f} MiB ({len(loaded)} samples); "
+        f"request slots in /dev/shm (not in PSS) at most {result.peak_slots / MIB:.0f} MiB",
         f"Answers: {dict(sorted(result.tally.statuses.items()))}; gave up after {GIVE_UP_S * 1000:.0f} ms: "
         f"{result.tally.gave_up}",
         "",

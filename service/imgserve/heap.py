@@ -15,7 +15,8 @@ import contextlib
 import ctypes
 import ctypes.util
 
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's mallopt parameters
+FRONT_END_ARENAS = 2
 KEEP_FREE_BYTES = 1 << 40  # never trim while busy
 
 
@@ -31,6 +32,13 @@ def hold_freed_memory() -> bool:
     """Serve big allocations from the heap and keep what is freed; True where the C library took it."""
     libc = _glibc()
     return bool(libc and libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREE_BYTES))
+
+
+def few_arenas(count: int = FRONT_END_ARENAS) -> bool:
+    """Threads started from now on share `count` arenas instead of getting one each (up to 8 per core), so what one
+    decoding thread frees the next one reuses; True where the C library took it."""
+    libc = _glibc()
+    return bool(libc and libc.mallopt(M_ARENA_MAX, count))
 
 
 def trim() -> None:

@@ -27,7 +27,7 @@ from litserve.server import _Server as FrontEndServer
 from litserve.utils import WorkerSetupStatus
 from starlette.routing import Route
 
-from imgserve import __version__, metrics
+from imgserve import __version__, heap, metrics
 from imgserve.config import GPU_BUSY_GOAL, MAX_CPU_WORKERS, Settings, gpu_workers_for, usable_cpus
 from imgserve.errors import install_handlers
 from imgserve.frontend.admission import Admission, AdmissionMiddleware, queue_bound
@@ -215,8 +215,10 @@ class ImageServer(ls.LitServer):
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
-        """Each front end's start: its dispatcher threads instead of LitServe's thread hop per answer; the first
-        also serves gRPC (--grpc-port) on its event loop, until it stops."""
+        """Each front end's start: its dispatcher threads instead of LitServe's thread hop per answer, and its
+        decoding threads share a few heap arenas; the first also serves gRPC (--grpc-port) on its event loop, until
+        it stops."""
+        heap.few_arenas()
         front_end = app.response_queue_id
         self.state.serve_as(front_end)
         self.dispatcher.start(front_end, self.request_queue, self._transport.receiver(front_end))

@@ -86,6 +86,7 @@ class Dispatcher:
         first = front_end * self.slots_per_front_end
         self._free = list(range(first, first + self.slots_per_front_end))
         self._freed_at: dict[int, float] = {}  # free slots that still hold data, and since when
+        self._burst_over = False  # slots went idle: the heap is trimmed once no request is pending
         # Tickets never repeat across front-end restarts: a request of this front end's dead predecessor still
         # queued for its slot must not pass for a new one (one ticket a microsecond is more than a process makes).
         self._tickets = itertools.count(time.monotonic_ns() // 1000)
@@ -183,8 +184,10 @@ class Dispatcher:
             for index in idle:
                 self.files.trim(index, keep_bytes=0)
                 del self._freed_at[index]
-            if idle and not self._pending:  # a burst is over: the decoding threads' heap memory goes back too
+            self._burst_over = self._burst_over or bool(idle)
+            if self._burst_over and not self._pending:  # the decoding threads' heap memory goes back too
                 heap.trim()
+                self._burst_over = False
             for pending in [p for p in self._pending.values() if p.given_up]:
                 taken = self.state.taken_by(pending.slot, pending.ticket) is not None
                 if self._lost(pending) or (not taken and now > pending.deadline + ORPHAN_GRACE_S):
