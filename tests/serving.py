@@ -86,8 +86,14 @@ class Server(RunningServer):
         found = []
         for process in self.tree():
             with contextlib.suppress(psutil.Error):
-                found += [(process.pid, c.laddr) for c in process.net_connections(kind="unix") if c.laddr]
+                found += [(process.pid, c.laddr) for c in sockets(process, "unix") if c.laddr]
         return found
+
+
+def sockets(process: psutil.Process, kind: str) -> list:
+    """A process's sockets of `kind` (psutil 6 renamed `connections` to `net_connections`; kserve holds psutil < 6)."""
+    listed = getattr(process, "net_connections", None) or process.connections
+    return listed(kind=kind)
 
 
 def _status(process: psutil.Process) -> str:

@@ -14,7 +14,16 @@ from urllib.parse import urlsplit
 
 import httpx
 import psutil
-from serving import Server, image_bytes, running_server, start_server, stop_server, wait_ready, wait_until
+from serving import (
+    Server,
+    image_bytes,
+    running_server,
+    sockets,
+    start_server,
+    stop_server,
+    wait_ready,
+    wait_until,
+)
 
 from loadtests.closed_loop import run_closed_loop
 
@@ -60,7 +69,7 @@ class PinnedClient:
         """The pid of the front end holding this connection's server side."""
         port = self.connection.sock.getsockname()[1]
         for pid in server.front_end_pids().values():
-            if any(c.raddr and c.raddr.port == port for c in psutil.Process(pid).net_connections(kind="tcp")):
+            if any(c.raddr and c.raddr.port == port for c in sockets(psutil.Process(pid), "tcp")):
                 return pid
         raise AssertionError(f"no front end holds the connection from port {port}")
 
