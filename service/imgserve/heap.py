@@ -3,7 +3,8 @@ free heap memory back once idle.
 
 glibc serves every allocation over 32 MiB (a CPU batch, an activation) with a fresh mmap, so each batch pays a
 page fault per 4 KiB: for a near-free model on 1 MP images that was 3/4 of the worker's CPU. With mmap off and
-trimming deferred, freed batches are reused as they are; `trim` hands the memory back once the worker is idle.
+trimming deferred, freed batches are reused as they are; `trim` hands the memory back once the worker is idle, and
+`BatchHeap` bounds what a busy worker keeps to what its recent batches need.
 An HTTP front end decodes on a thread pool, and glibc gives each thread an arena that keeps what was freed in it:
 `trim` empties every arena once a burst is over. Other C libraries (musl) keep their own behaviour: both calls
 then do nothing.
@@ -11,13 +12,21 @@ then do nothing.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import ctypes.util
+import os
+import time
+from collections.abc import Callable
 
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8  # glibc's mallopt parameters
 FRONT_END_ARENAS = 2
-KEEP_FREE_BYTES = 1 << 40  # never trim while busy
+KEEP_FREE_BYTES = 2**31 - 1  # the most mallopt takes (an int): BatchHeap and the idle trim decide below that
+RECENT_S = 30.0  # a busy worker keeps what the largest batch of this window needs
+SLACK = 1.5  # ... times this, room for fragmentation under a mix of sizes
+FLOOR_BYTES = 256 << 20  # and never trims for less
+PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -39,6 +48,59 @@ def few_arenas(count: int = FRONT_END_ARENAS) -> bool:
     decoding thread frees the next one reuses; True where the C library took it."""
     libc = _glibc()
     return bool(libc and libc.mallopt(M_ARENA_MAX, count))
+
+
+def anonymous_bytes() -> int:
+    """This process's resident memory that no file backs (heap, stacks): weights mapped from /dev/shm and the
+    libraries' code are not in it."""
+    with open("/proc/self/statm") as statm:
+        _, resident, shared, *_ = statm.read().split()
+    return (int(resident) - int(shared)) * PAGE_BYTES
+
+
+class BatchHeap:
+    """What an inference worker's heap keeps of its batches. Reusing a freed batch saves its page faults, but a
+    busy worker holds at most SLACK x what the largest batch of the last RECENT_S needed (and FLOOR_BYTES) beyond
+    its idle size: without that bound one rare big batch is held for as long as the load lasts, and a heap
+    fragmented by a mix of sizes keeps growing."""
+
+    def __init__(
+        self,
+        release: Callable[[], None],
+        recent_s: float = RECENT_S,
+        slack: float = SLACK,
+        floor_bytes: int = FLOOR_BYTES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.release, self.recent_s, self.slack, self.floor_bytes, self.clock = (
+            release,
+            recent_s,
+            slack,
+            floor_bytes,
+            clock,
+        )
+        self._needs: collections.deque[tuple[float, int]] = collections.deque()  # (when, bytes), the largest first
+        self.base_bytes = anonymous_bytes()  # what the worker holds with no batch memory kept
+
+    def after_batch(self, need_bytes: int) -> bool:
+        """Record a batch that needed `need_bytes`; give the memory back if more is held than the recent batches
+        need (True then)."""
+        now = self.clock()
+        while self._needs and self._needs[-1][1] <= need_bytes:
+            self._needs.pop()  # smaller and older than this batch: never the window's largest again
+        self._needs.append((now, need_bytes))
+        while self._needs[0][0] < now - self.recent_s:
+            self._needs.popleft()
+        if anonymous_bytes() - self.base_bytes <= max(self.slack * self._needs[0][1], self.floor_bytes):
+            return False
+        self.give_back()
+        return True
+
+    def give_back(self) -> None:
+        """Let go of the batch buffers and give the heap's free pages back to the system."""
+        self.release()
+        trim()
+        self.base_bytes = anonymous_bytes()
 
 
 def trim() -> None:

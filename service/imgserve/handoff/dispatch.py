@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 WORKER_CHECK_S = 0.25  # how often a waiting request looks for its worker's death
 ORPHAN_GRACE_S = 10.0  # a slot whose request no worker ever took is freed this long after the deadline
 IDLE_SLOT_S = 5.0  # a free slot unused this long gives its memory back (so a burst's /dev/shm use ends with it)
+BUSY_TRIM_S = 60.0  # under a long load, a front end gives its free heap memory back this often
 
 
 @dataclass
@@ -87,6 +88,7 @@ class Dispatcher:
         self._free = list(range(first, first + self.slots_per_front_end))
         self._freed_at: dict[int, float] = {}  # free slots that still hold data, and since when
         self._burst_over = False  # slots went idle: the heap is trimmed once no request is pending
+        self._trimmed_at = time.monotonic()
         # Tickets never repeat across front-end restarts: a request of this front end's dead predecessor still
         # queued for its slot must not pass for a new one (one ticket a microsecond is more than a process makes).
         self._tickets = itertools.count(time.monotonic_ns() // 1000)
@@ -185,9 +187,11 @@ class Dispatcher:
                 self.files.trim(index, keep_bytes=0)
                 del self._freed_at[index]
             self._burst_over = self._burst_over or bool(idle)
-            if self._burst_over and not self._pending:  # the decoding threads' heap memory goes back too
+            # The decoding threads' heap memory goes back once a burst is over, and once a minute under a long
+            # load (their arenas fragment under a mix of image sizes).
+            if (self._burst_over and not self._pending) or now - self._trimmed_at > BUSY_TRIM_S:
                 heap.trim()
-                self._burst_over = False
+                self._burst_over, self._trimmed_at = False, now
             for pending in [p for p in self._pending.values() if p.given_up]:
                 taken = self.state.taken_by(pending.slot, pending.ticket) is not None
                 if self._lost(pending) or (not taken and now > pending.deadline + ORPHAN_GRACE_S):

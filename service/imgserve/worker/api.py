@@ -87,6 +87,7 @@ class ImageAPI(ls.LitAPI):
             classes = outputs.class_count(self.runner.kind, self.runner.warmup_output)
             outputs.check_labels(outputs.read_labels(settings.labels), classes, settings.labels)
         self.runner.warmup_output = None
+        self.heap = heap.BatchHeap(release=self.runner.release)
         self.state.set_task(self.runner.kind)
         if settings.max_batch_size == "auto":
             self.max_batch_size = memory.batch_size_at(settings.max_image_pixels)
@@ -115,8 +116,7 @@ class ImageAPI(ls.LitAPI):
 
     def release_memory(self) -> None:
         """Idle: the batch buffers kept for reuse and the heap's free memory go back to the system."""
-        self.runner.release()
-        heap.trim()
+        self.heap.give_back()
 
     def decode_request(self, request: dict[str, Any]) -> dict[str, Any]:
         """Nothing to decode: the front end decoded the upload into the slot."""
@@ -144,6 +144,7 @@ class ImageAPI(ls.LitAPI):
         finally:
             metrics.INFERENCE_DURATION.observe(time.perf_counter() - started)
             metrics.INFLIGHT.set(0)
+        self.heap.after_batch(self.runner.last_need_bytes)
         for i, output in zip(live, answers, strict=True):
             results[i] = self._place(items[i], output)
         return results

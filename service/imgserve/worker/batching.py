@@ -40,6 +40,10 @@ class MemoryPlan:
     def pixel_budget(self) -> int:
         return max(int(self.budget_bytes / self.bytes_per_pixel), 1)
 
+    def need_bytes(self, sizes: list[tuple[int, int]]) -> int:
+        """What one chunk of images of these sizes needs at its peak (padded to the largest)."""
+        return int(self.bytes_per_pixel * len(sizes) * max(h for h, _ in sizes) * max(w for _, w in sizes))
+
     def batch_size_at(self, pixels: int) -> int:
         """The largest batch of `pixels`-sized images that fits the budget (at least 1)."""
         return min(max(self.pixel_budget // pixels, 1), AUTO_BATCH_CAP)
@@ -115,6 +119,7 @@ class BatchRunner:
         self.max_waste = MAX_PAD_WASTE if pad else 1.0
         self.memory = MemoryPlan(bytes_per_pixel=1.0, budget_bytes=2**62)
         self._buffers: dict[str, torch.Tensor] = {}  # the input buffers, reused from batch to batch
+        self.last_need_bytes = 0  # what the largest chunk of the last call needed at its peak
         self._use_layout(channels_last)
 
     @classmethod
@@ -143,7 +148,9 @@ class BatchRunner:
     def __call__(self, images: Sequence[Pixels]) -> list[Result]:
         results: list[Result] = [ApiError(500, "no_output", "no output")] * len(images)
         sizes = [tuple(image.shape[:2]) for image in images]
-        for chunk in plan_chunks(sizes, self.memory.pixel_budget, self.max_waste):
+        chunks = plan_chunks(sizes, self.memory.pixel_budget, self.max_waste)
+        self.last_need_bytes = max(self.memory.need_bytes([sizes[i] for i in chunk]) for chunk in chunks)
+        for chunk in chunks:
             for index, output in zip(chunk, self._run_chunk([images[i] for i in chunk]), strict=True):
                 results[index] = output
         return results
