@@ -9,7 +9,6 @@ import os
 import pickle
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,6 +19,7 @@ from imgserve.errors import ApiError
 from imgserve.handoff import slots as pixel_slots
 from imgserve.handoff.answers import AnswerSockets
 from imgserve.handoff.dispatch import Dispatcher
+from imgserve.handoff.requests import RequestSocket
 from imgserve.handoff.slots import InSlot, SlotFiles
 from imgserve.handoff.state import SharedState
 from imgserve.models.denoiser import build_denoiser
@@ -40,12 +40,6 @@ def slot_dir(tmp_path: Path) -> Path:
     directory = tmp_path / "slots"
     directory.mkdir()
     return directory
-
-
-@pytest.fixture(scope="module")
-def manager() -> Iterator[object]:
-    with mp.get_context("spawn").Manager() as running:
-        yield running
 
 
 def test_a_slot_round_trips_arrays_and_gives_big_ones_memory_back(slot_dir: Path) -> None:
@@ -111,12 +105,11 @@ def test_a_result_is_not_written_into_a_slot_that_moved_on(slot_dir: Path) -> No
     assert isinstance(answer, ApiError) and pixel_slots.bytes_in_use(slot_dir) == 0
 
 
-def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its_answer(
-    slot_dir: Path, manager
-) -> None:
-    """Plays the worker by hand on real Manager queues."""
+def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its_answer(slot_dir: Path) -> None:
+    """Plays the worker by hand on the real request and answer sockets."""
     state = SharedState(workers=1, request_slots=4)
-    requests, answers = manager.Queue(), AnswerSockets(f"imgserve-test-{os.getpid()}", 1)
+    name = f"imgserve-test-{os.getpid()}"
+    requests, answers = RequestSocket(name), AnswerSockets(name, 1)
     dispatcher = Dispatcher(state, slot_dir, slots_per_front_end=2, retry_after_s=1)
     image = np.random.default_rng(1).integers(0, 256, (512, 512, 3), dtype=np.uint8)
 
@@ -157,7 +150,7 @@ def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its
                 break
         assert len(dispatcher._free) == 2, "the slot was not freed when the late answer came"
 
-        # A worker dies while being handed a request (the queue process had popped it): the request is queued again.
+        # A worker dies while being handed a request (it had received it, not yet marked it): it is queued again.
         lost = asyncio.create_task(handler(timeout=30))
         await asyncio.to_thread(requests.get, timeout=5)  # ... and never marked: the worker is gone
         state.worker_lost(0)

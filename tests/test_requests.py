@@ -106,3 +106,18 @@ def test_get_waits_at_most_its_timeout() -> None:
         requests.get(timeout=0.2)
     requests.put({"slot": (1, 2)})
     assert requests.get(timeout=5) == {"slot": (1, 2)}
+
+
+def test_an_event_loop_send_never_blocks_it_says_when_the_queue_is_full() -> None:
+    """put_nowait (what a front end's event loop calls) sends while there is room and returns False, sending
+    nothing, once no worker has read for long enough; a blocking put then waits for room."""
+    requests = RequestSocket(f"imgserve-test-{os.getpid()}-c")
+    sent = 0
+    while sent < 100_000 and requests.put_nowait((0, f"uid-{sent}", 0.0, {"slot": (sent, 1)})):
+        sent += 1
+    assert 0 < sent < 100_000  # the kernel's queue filled up
+    assert not requests.put_nowait((0, "one too many", 0.0, {}))
+    assert requests.get(timeout=1)[1] == "uid-0"  # in order, and the refused one was not queued
+    assert requests.put_nowait((0, "room again", 0.0, {}))
+    received = [requests.get(timeout=1)[1] for _ in range(sent)]
+    assert received[-1] == "room again" and "one too many" not in received

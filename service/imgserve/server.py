@@ -215,9 +215,9 @@ class ImageServer(ls.LitServer):
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
-        """Each front end's start: its dispatcher threads instead of LitServe's thread hop per answer, and its
-        decoding threads share a few heap arenas; the first also serves gRPC (--grpc-port) on its event loop, until
-        it stops."""
+        """Each front end's start: its dispatcher (requests and answers on its event loop, not LitServe's thread hop
+        per answer), and its decoding threads share a few heap arenas; the first also serves gRPC (--grpc-port) on
+        its event loop, until it stops."""
         heap.few_arenas()
         front_end = app.response_queue_id
         self.state.serve_as(front_end)

@@ -5,7 +5,7 @@ process for the worker, another for the front end, and the queue process's CPU f
 spent 45% of their time in that `put`). A datagram is sent without waiting for anyone, and is delivered whole or not
 at all: a worker killed while sending cannot corrupt what the others send, and there is no shared lock for it to die
 holding. This plugs in at LitServe's own seam, its `MessageTransport`: the workers' loop calls `send` as it would
-on LitServe's transport. The request queue stays LitServe's (workers share it, so it needs its queue process).
+on LitServe's transport. Requests travel the same way (handoff/requests.py).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import pickle
 import socket
+from collections.abc import Iterator
 from typing import Any
 
 from imgserve.errors import ApiError
@@ -22,20 +23,31 @@ from litserve.utils import LitAPIStatus
 log = logging.getLogger(__name__)
 BUFFER_BYTES = 4 * 1024 * 1024  # asked of the kernel for both ends (capped by net.core.[rw]mem_max)
 MAX_ANSWER_BYTES = 192 * 1024  # more than any answer that is not written into its slot (api.INLINE_BYTES)
+READ_AT_ONCE = 64  # answers read per wake-up of the front end's event loop, so requests get their turn too
 SEND_TIMEOUT_S = 10.0  # a front end that reads nothing for this long gets its answer dropped (its client: 504)
 
 
 class FrontEndAnswers:
-    """The receiving end, bound in a front-end process: `receive` blocks until the next answer."""
+    """The receiving end, bound in a front-end process and read by its event loop when the selector says so."""
 
     def __init__(self, address: str) -> None:
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER_BYTES)
         self._socket.bind(address)
+        self._socket.setblocking(False)
 
-    def receive(self) -> Any:
-        """The next answer as the workers' loop sent it; None when the server shuts down."""
-        return pickle.loads(self._socket.recv(MAX_ANSWER_BYTES))
+    def fileno(self) -> int:
+        return self._socket.fileno()
+
+    def receive_ready(self, most: int = READ_AT_ONCE) -> Iterator[Any]:
+        """The answers that have arrived (up to `most`), as the workers' loop sent them; None when the server shuts
+        down. Nothing when none is there."""
+        for _ in range(most):
+            try:
+                data = self._socket.recv(MAX_ANSWER_BYTES)
+            except (BlockingIOError, InterruptedError):
+                return
+            yield pickle.loads(data)
 
 
 class AnswerSockets(MessageTransport):
@@ -65,7 +77,7 @@ class AnswerSockets(MessageTransport):
             log.warning("an answer to front end %d was dropped: %s", consumer_id, exc)
 
     async def areceive(self, timeout: int | None = None, consumer_id: int | None = None) -> dict:
-        raise NotImplementedError("imgserve's front ends read their answers with FrontEndAnswers.receive")
+        raise NotImplementedError("imgserve's front ends read their answers with FrontEndAnswers.receive_ready")
 
     def close(self, send_sentinel: bool = True, **kwargs: Any) -> None:
         """At shutdown: tell each front end's reader to stop."""

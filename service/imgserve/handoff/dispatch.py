@@ -2,8 +2,9 @@
 
 This replaces LitServe 0.2.19's front-end plumbing (pinned `<0.3`). LitServe puts each request on its Manager queue
 from the event loop (a blocking round trip) and reads each answer with its own `asyncio.to_thread(queue.get)`.
-Here one sender thread puts the requests on that queue and one reader thread receives the answers from this front
-end's datagram socket (`answers`); the event loop only hands messages to them. The pixels themselves go through
+Here the event loop sends each request to the workers' datagram socket itself, without blocking (a sender thread
+takes over only while that socket's queue is full, every worker busy), and reads the answers from this front end's
+datagram socket (`answers`) as the selector reports them: no thread hop on the way there or back. The pixels go through
 the request's shared-memory slot (`pixel_slots`); a slot is reused only once its worker has answered (or died),
 never while a worker may still read or write it, even when the client has long had its 504.
 """
@@ -17,7 +18,6 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,7 +82,8 @@ class Dispatcher:
         self.retry_after_s = retry_after_s
 
     def start(self, front_end: int, request_queue: Any, answers: FrontEndAnswers) -> None:
-        """In the front-end process, on its event loop: claim its slot range and start the two queue threads."""
+        """In the front-end process, on its event loop: claim its slot range, read answers on the loop, and start
+        the sender thread (for when the workers' queue is full)."""
         self.files = SlotFiles(self.directory)
         first = front_end * self.slots_per_front_end
         self._free = list(range(first, first + self.slots_per_front_end))
@@ -97,7 +98,8 @@ class Dispatcher:
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop = asyncio.get_running_loop()
         threading.Thread(target=self._send_forever, name="imgserve-sender", daemon=True).start()
-        threading.Thread(target=self._read_forever, args=(answers,), name="imgserve-reader", daemon=True).start()
+        self._answers = answers
+        self._loop.add_reader(answers.fileno(), self._read_answers)
         self._sweeper = self._loop.create_task(self._sweep())
 
     @contextlib.asynccontextmanager
@@ -120,11 +122,11 @@ class Dispatcher:
                 slot.pending.given_up = True
 
     async def submit(self, slot: Slot, shape: tuple[int, ...], deadline: float) -> Any:
-        uid, now = uuid.uuid4().hex, time.monotonic()
+        uid, now = f"{self._front_end}.{slot.ticket:x}", time.monotonic()  # unique, and cheaper than a uuid4
         payload = {"slot": (slot.index, slot.ticket), "shape": shape, "deadline": deadline, "admitted": now}
         message = (self._front_end, uid, now, payload)
         pending = slot.pending = self._pending[uid] = _Pending(uid, slot.index, slot.ticket, now, deadline, message)
-        self._outbox.put(message)
+        self._send(message)
         output, status = await self._wait(pending)
         if status == LitAPIStatus.ERROR or output is None:
             raise ApiError(500, "internal_error", "the inference worker failed on this batch")
@@ -154,7 +156,7 @@ class Dispatcher:
             return
         if self.state.taken_by(pending.slot, pending.ticket) is None:
             pending.resent = True
-            self._outbox.put(pending.message)
+            self._send(pending.message)
 
     def _lost(self, pending: _Pending) -> bool:
         """Will no answer come? Its worker died after it was queued, or the queue itself died."""
@@ -168,7 +170,7 @@ class Dispatcher:
         metrics.SLOTS_IN_USE.dec()
 
     def _deliver(self, uid: str, output: Any, status: Any) -> None:
-        """On the event loop, from the reader thread: wake the handler, or free a given-up request's slot."""
+        """Wake the request's handler, or free a given-up request's slot."""
         pending = self._pending.pop(uid, None)
         if pending is None:
             return  # an answer for a request whose slot was already freed (its worker was given up on)
@@ -198,7 +200,15 @@ class Dispatcher:
                     del self._pending[pending.uid]
                     self._release(pending.slot)
 
-    # The two queue threads.
+    # The hand-off itself.
+    def _send(self, message: tuple) -> None:
+        """Queue a request for the workers from the event loop; the sender thread queues it (waiting for room)
+        when the socket's queue is full, or while earlier requests still wait for room there (so order holds)."""
+        with contextlib.suppress(OSError):  # the workers' socket is gone: the server is stopping (see _lost)
+            if self._outbox.empty() and self._request_queue.put_nowait(message):
+                return
+        self._outbox.put(message)
+
     def _send_forever(self) -> None:
         while True:
             message = self._outbox.get()
@@ -207,13 +217,11 @@ class Dispatcher:
             except (OSError, EOFError):  # the queue process is gone: the server is stopping
                 return
 
-    def _read_forever(self, answers: FrontEndAnswers) -> None:
-        while True:
-            try:
-                message = answers.receive()
-            except OSError:
-                return
+    def _read_answers(self) -> None:
+        """On the event loop, when answers have arrived: deliver what is there (a bounded number per call)."""
+        for message in self._answers.receive_ready():
             if message is None:  # the shutdown sentinel (AnswerSockets.close)
+                self._loop.remove_reader(self._answers.fileno())
                 return
             uid, (output, status, *_) = message
-            self._loop.call_soon_threadsafe(self._deliver, uid, output, status)
+            self._deliver(uid, output, status)

@@ -32,15 +32,27 @@ class RequestSocket:
         self._receiver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER_BYTES)
         self._receiver.bind(self.address)
         self._sender: socket.socket | None = None  # one per process, made on first use
+        self._nowait_sender: socket.socket | None = None  # the same, never blocking (for an event loop)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"address": self.address, "_receiver": self._receiver, "_sender": None}
+        return {"address": self.address, "_receiver": self._receiver, "_sender": None, "_nowait_sender": None}
 
     def put(self, message: Any) -> None:
         """Queue one request; blocks while every worker is busy and the socket's queue is full."""
         if self._sender is None:
             self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._sender.sendto(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), self.address)
+
+    def put_nowait(self, message: Any) -> bool:
+        """Queue one request if the socket's queue has room now; False (nothing sent) when it is full."""
+        if self._nowait_sender is None:
+            self._nowait_sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            self._nowait_sender.setblocking(False)
+        try:
+            self._nowait_sender.sendto(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), self.address)
+        except (BlockingIOError, InterruptedError):
+            return False
+        return True
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """The next request, as `queue.Queue.get`: raises `queue.Empty` when none comes within `timeout`.
