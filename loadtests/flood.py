@@ -17,10 +17,10 @@ from loadtests.servers import ResourceSampler, free_port, imgserve_command, runn
 SETTINGS = {"IMGSERVE_MAX_BATCH_SIZE": "4", "IMGSERVE_MAX_QUEUE_DEPTH": "8"}
 
 
-def _row(name: str, result: LoadResult, rss_mib: float) -> str:
+def _row(name: str, result: LoadResult, pss_mib: float) -> str:
     return (
         f"| {name} | {result.users} | {len(result.outcomes)} | {len(result.answered)} | {result.shed} | {result.failed}"
-        f" | {result.rps:.1f} | {result.latency_ms(0.5):.0f} | {result.latency_ms(0.99):.0f} | {rss_mib:.0f} |"
+        f" | {result.rps:.1f} | {result.latency_ms(0.5):.0f} | {result.latency_ms(0.99):.0f} | {pss_mib:.0f} |"
     )
 
 
@@ -41,9 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, users in (("at capacity", args.users), ("flood", args.users * args.factor)):
             with ResourceSampler(server) as sampler:
                 result = run_closed_loop(url, users=users, seconds=args.seconds)
-            rows.append(_row(name, result, sampler.peak_rss_bytes / 2**20))
+            rows.append(_row(name, result, sampler.peak_pss_bytes / 2**20))
     print(f"{machine()}; settings {SETTINGS}\n")
-    print("| phase | users | sent | 200 | 503/504 | failed | ok/s | p50 ms | p99 ms | peak RSS MiB |")
+    print("| phase | users | sent | 200 | 503/504 | failed | ok/s | p50 ms | p99 ms | peak PSS MiB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0

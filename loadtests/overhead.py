@@ -175,7 +175,7 @@ class Cell:
 
     side: int
     result: LoadResult
-    peak_rss_bytes: int
+    peak_pss_bytes: int
     client_cores: float
 
 
@@ -282,7 +282,7 @@ def _measure_cell(
     with ResourceSampler(server) as sampler:
         result = run_closed_loop(server.url + "/predict", users, seconds, warmup_s, images=images, decode_answers=False)
     cores = (sum(client.cpu_times()[:2]) - cpu_before) / (time.perf_counter() - started)
-    return Cell(side, result, sampler.peak_rss_bytes, cores)
+    return Cell(side, result, sampler.peak_pss_bytes, cores)
 
 
 def _summary(cell: Cell) -> str:
@@ -310,7 +310,7 @@ def render(run: OverheadRun, command: str, host: str) -> str:
         f"Model: TorchScript `x.clamp(0, 1)`; imgserve: {settings or 'defaults'}.",
         "",
         "| image | users | limit 1 thread /s | limit 2 threads /s | imgserve /s | imgserve / 2-thread limit "
-        "| p50 ms | p99 ms | single image in-process ms | p50 / single image | shed | failed | peak RSS MiB "
+        "| p50 ms | p99 ms | single image in-process ms | p50 / single image | shed | failed | peak PSS MiB "
         "| client CPU cores |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -321,7 +321,7 @@ def render(run: OverheadRun, command: str, host: str) -> str:
             f"| {cell.side}x{cell.side} | {r.users} | {limits.images_per_s(1):.1f} | {two:.1f} | {r.rps:.1f} "
             f"| {r.rps / two:.2f}x | {_ms(p50)} | {_ms(r.latency_ms(0.99))} | {single:.1f} "
             f"| {'-' if p50 is None else f'{p50 / single:.2f}x'} | {r.shed} | {r.failed} "
-            f"| {cell.peak_rss_bytes / 2**20:.0f} | {cell.client_cores:.2f} |"
+            f"| {cell.peak_pss_bytes / 2**20:.0f} | {cell.client_cores:.2f} |"
         )
     lines += ["", "Targets (measured):"]
     lines += [f"- {v.target.describe()}: {v.result()} — **{'met' if v.met else 'missed'}**" for v in run.verdicts()]

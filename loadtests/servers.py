@@ -80,6 +80,14 @@ class RunningServer:
             time.sleep(0.5)
         raise TimeoutError(f"no worker was started in place of the one killed:\n{self.log_tail()}")
 
+    def tree_cpu_s(self) -> float:
+        """CPU seconds (user + system) the whole process tree has used so far."""
+        total = 0.0
+        for process in self.tree():
+            with contextlib.suppress(psutil.Error):
+                total += sum(process.cpu_times()[:2])
+        return total
+
     def tree_pss(self) -> int:
         """Proportional set size of the whole process tree, in bytes: each page is charged 1/k to each of the k
         processes that map it, so pages shared by every worker count once (RSS would count them once per worker)."""
@@ -171,11 +179,12 @@ class Periodic:
 
 @dataclass
 class ResourceSampler:
-    """Samples a server's process-tree RSS (and its GPU memory, where nvidia-smi exists) until stopped; keeps peaks."""
+    """Samples a server's process-tree PSS (and its GPU memory, where nvidia-smi exists) until stopped; keeps peaks.
+    PSS, not RSS: pages that workers share (the weights) count once."""
 
     server: RunningServer
-    interval_s: float = 0.25
-    peak_rss_bytes: int = 0
+    interval_s: float = 1.0  # reading every process's smaps_rollup costs the load generator's cores
+    peak_pss_bytes: int = 0
     peak_gpu_bytes: int | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -192,13 +201,8 @@ class ResourceSampler:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            tree = self.server.tree()
-            rss = 0
-            for process in tree:
-                with contextlib.suppress(psutil.Error):
-                    rss += process.memory_info().rss
-            self.peak_rss_bytes = max(self.peak_rss_bytes, rss)
-            gpu = gpu_memory_bytes({p.pid for p in tree})
+            self.peak_pss_bytes = max(self.peak_pss_bytes, self.server.tree_pss())
+            gpu = gpu_memory_bytes({p.pid for p in self.server.tree()})
             if gpu is not None:
                 self.peak_gpu_bytes = max(self.peak_gpu_bytes or 0, gpu)
             self._stop.wait(self.interval_s)

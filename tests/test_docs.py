@@ -91,6 +91,31 @@ def test_every_relative_link_and_anchor_resolves(page: Path) -> None:
     assert broken_links(page) == []
 
 
+def ragged_table_rows(text: str) -> list[str]:
+    """Rows of a Markdown table whose cell count differs from their header's (what a bad merge leaves)."""
+    ragged, width = [], None
+    for line in outside_fences(text).splitlines():
+        if not line.startswith("|"):
+            width = None
+            continue
+        cells = len(re.split(r"(?<!\\)\|", INLINE_CODE.sub("code", line).strip().strip("|")))
+        if width is None:
+            width = cells
+        elif cells != width:
+            ragged.append(line)
+    return ragged
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda page: str(page.relative_to(REPO)))
+def test_every_table_row_has_its_headers_cells(page: Path) -> None:
+    assert ragged_table_rows(page.read_text()) == []
+
+
+def test_the_table_check_finds_a_ragged_row() -> None:
+    table = "| a | b |\n|---|---|\n| `x | y` | 2 |\n| 1 | 2 | 3 |\n| 4 |\n\n| c |\n|---|\n| 5 |\n"
+    assert ragged_table_rows(table) == ["| 1 | 2 | 3 |", "| 4 |"]
+
+
 def test_the_front_page_links_every_docs_page() -> None:
     linked = {(REPO / target.partition("#")[0]).resolve() for target in links(PAGES[0].read_text())}
     assert [page.name for page in PAGES[1:] if page.resolve() not in linked] == []

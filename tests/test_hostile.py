@@ -7,6 +7,7 @@ import gzip
 import itertools
 import json
 import select
+import selectors
 import socket
 import time
 from collections.abc import Iterator
@@ -320,7 +321,8 @@ def test_a_full_pod_sheds_at_the_headers_and_keeps_the_connection(
                 answered_at.append(time.monotonic())
                 assert (answer.status, answer.headers["retry-after"]) == (503, "1") and queue_full(answer)
                 assert "connection" not in answer.headers
-            assert all(later - earlier > 0.8 for earlier, later in itertools.pairwise(answered_at)), answered_at
+            gaps = [later - earlier for earlier, later in itertools.pairwise(answered_at)]
+            assert all(0.8 < gap < 1.5 + 0.5 for gap in gaps), gaps  # Retry-After, plus up to half of it
             sock.sendall(request_head(path, extra="Transfer-Encoding: chunked\r\n") + b"10\r\n" + b"\0" * 16 + b"\r\n")
             answer = read_answer(sock)
             assert (answer.status, answer.headers["connection"]) == (503, "close") and queue_full(answer)
@@ -331,6 +333,43 @@ def test_a_full_pod_sheds_at_the_headers_and_keeps_the_connection(
         assert held.result() == 200
         assert server.metric("imgserve_requests_total", route=route, code="503") == 5
         assert server.metric("imgserve_rejected_total", reason="queue_full") == 5
+
+
+def test_clients_refused_together_and_resending_at_once_come_back_spread_out(tmp_path, toy_model, monkeypatch) -> None:
+    """A retry storm's herd: 24 connections refused at once, each resending at once, get their held 503s spread
+    over Retry-After .. 1.5 x Retry-After, not all at the same moment (when the queue would have run dry)."""
+    monkeypatch.setenv("TOY_DELAY_S", "6.0")
+    settings = dict(max_batch_size=1, max_queue_depth=1, workers_per_device=1, batch_timeout_ms=0)
+    with running_server(tmp_path, **settings, **toy_model("Slow")) as server, ThreadPoolExecutor(1) as pool:
+        held = pool.submit(good_request, server)
+        deadline = time.monotonic() + 10
+        while server.metric("imgserve_queue_depth") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        sockets = [connect(server) for _ in range(24)]
+        try:
+            for sock in sockets:  # refused together
+                sock.sendall(request_head("/predict", length=len(GOOD)) + GOOD)
+            for sock in sockets:
+                assert read_answer(sock).status == 503
+            resent_at = time.monotonic()
+            for sock in sockets:  # and back at once
+                sock.sendall(request_head("/predict", length=len(GOOD)) + GOOD)
+            waited = []
+            with selectors.DefaultSelector() as selector:  # when each answer arrives, whatever the order
+                for sock in sockets:
+                    selector.register(sock, selectors.EVENT_READ)
+                while len(waited) < len(sockets) and time.monotonic() < resent_at + 10:
+                    for key, _ in selector.select(timeout=1):
+                        waited.append(time.monotonic() - resent_at)
+                        selector.unregister(key.fileobj)
+                        assert read_answer(key.fileobj).status == 503
+        finally:
+            for sock in sockets:
+                sock.close()
+        assert held.result() == 200
+    assert min(waited) > 0.8 and max(waited) < 1.5 + 0.5, waited
+    assert max(waited) - min(waited) > 0.15, waited  # spread (24 draws of up to 0.5 s: ~0.45 s apart)
 
 
 V2_INFER = "/v2/models/denoiser/infer"

@@ -8,9 +8,10 @@ moment) so that a client still sending reads its answer instead of a reset. An a
 always carries `Connection: close`. An inference request (/predict, v2 HTTP infer) that the pod cannot take
 (queue full, draining) is answered 503 here, before any ASGI work, and its body is skipped, keeping the connection
 for the client's retry (on /v2 routes in the protocol's envelope). A client that comes back on the same connection
-sooner than the Retry-After it was given gets its next 503 only once that time is up: a retry storm of clients
-that resend at once costs the pod one answer per client per Retry-After, not as many as the clients can send (and
-the clients' own CPU, where they share the machine).
+sooner than the Retry-After it was given gets its next 503 only once that time is up, plus a random part of up to
+half of it: a retry storm of clients that resend at once costs the pod one answer per client per Retry-After, not as
+many as the clients can send (and the clients' own CPU, where they share the machine), and its clients come back
+spread out instead of all together (a herd that leaves the queue empty between its returns).
 
 Built on uvicorn's HttpToolsProtocol internals: pyproject.toml pins the uvicorn versions it was tested with.
 """
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import http
 import json
+import random
 import time
 from typing import Any, ClassVar
 
@@ -30,6 +32,7 @@ from imgserve.errors import ApiError
 from imgserve.frontend.admission import SHED_MESSAGES, Admission
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+HOLD_JITTER = 0.5  # a held 503 waits up to this share of Retry-After more than Retry-After itself
 LINGER_S = 2.0  # how long a refused client's late bytes are read and dropped before the socket closes
 _IDLE, _HEADERS, _BODY = 0, 1, 2
 
@@ -250,12 +253,16 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         return True
 
     def _shed_keeping_connection(self, answer: bytes) -> None:
-        """Send the 503 now, or, to a client back before its last Retry-After was up, once it is (reading paused)."""
+        """Send the 503 now, or, to a client back before its last Retry-After was up, once it is and a random part
+        of it more (reading paused): clients that resend at once and were refused together come back spread out,
+        not all at once every Retry-After while the queue runs dry in between."""
         now = self.loop.time()
         due = self._last_shed + self.settings.retry_after_s
-        self._last_shed = max(now, due)
         if due <= now:
+            self._last_shed = now
             return self._socket.write(answer)
+        due += random.uniform(0, HOLD_JITTER * self.settings.retry_after_s)
+        self._last_shed = due
         self.flow.pause_reading()
         self._hold = self.loop.call_at(due, self._send_held, answer)
 
