@@ -322,7 +322,7 @@ def test_a_full_pod_sheds_at_the_headers_and_keeps_the_connection(
                 assert (answer.status, answer.headers["retry-after"]) == (503, "1") and queue_full(answer)
                 assert "connection" not in answer.headers
             gaps = [later - earlier for earlier, later in itertools.pairwise(answered_at)]
-            assert all(0.8 < gap < 1.5 + 0.5 for gap in gaps), gaps  # Retry-After, plus up to half of it
+            assert all(0.8 < gap < 2 + 0.5 for gap in gaps), gaps  # Retry-After, plus up to as much again
             sock.sendall(request_head(path, extra="Transfer-Encoding: chunked\r\n") + b"10\r\n" + b"\0" * 16 + b"\r\n")
             answer = read_answer(sock)
             assert (answer.status, answer.headers["connection"]) == (503, "close") and queue_full(answer)
@@ -337,7 +337,7 @@ def test_a_full_pod_sheds_at_the_headers_and_keeps_the_connection(
 
 def test_clients_refused_together_and_resending_at_once_come_back_spread_out(tmp_path, toy_model, monkeypatch) -> None:
     """A retry storm's herd: 24 connections refused at once, each resending at once, get their held 503s spread
-    over Retry-After .. 1.5 x Retry-After, not all at the same moment (when the queue would have run dry)."""
+    over Retry-After .. 2 x Retry-After, not all at the same moment (when the queue would have run dry)."""
     monkeypatch.setenv("TOY_DELAY_S", "6.0")
     settings = dict(max_batch_size=1, max_queue_depth=1, workers_per_device=1, batch_timeout_ms=0)
     with running_server(tmp_path, **settings, **toy_model("Slow")) as server, ThreadPoolExecutor(1) as pool:
@@ -368,8 +368,8 @@ def test_clients_refused_together_and_resending_at_once_come_back_spread_out(tmp
             for sock in sockets:
                 sock.close()
         assert held.result() == 200
-    assert min(waited) > 0.8 and max(waited) < 1.5 + 0.5, waited
-    assert max(waited) - min(waited) > 0.15, waited  # spread (24 draws of up to 0.5 s: ~0.45 s apart)
+    assert min(waited) > 0.8 and max(waited) < 2 + 0.5, waited
+    assert max(waited) - min(waited) > 0.3, waited  # spread (24 draws of up to 1 s: ~0.9 s apart)
 
 
 V2_INFER = "/v2/models/denoiser/infer"

@@ -9,7 +9,7 @@ always carries `Connection: close`. An inference request (/predict, v2 HTTP infe
 (queue full, draining) is answered 503 here, before any ASGI work, and its body is skipped, keeping the connection
 for the client's retry (on /v2 routes in the protocol's envelope). A client that comes back on the same connection
 sooner than the Retry-After it was given gets its next 503 only once that time is up, plus a random part of up to
-half of it: a retry storm of clients that resend at once costs the pod one answer per client per Retry-After, not as
+as much again: a retry storm of clients that resend at once costs the pod one answer per client per Retry-After, not as
 many as the clients can send (and the clients' own CPU, where they share the machine), and its clients come back
 spread out instead of all together (a herd that leaves the queue empty between its returns).
 
@@ -32,7 +32,7 @@ from imgserve.errors import ApiError
 from imgserve.frontend.admission import SHED_MESSAGES, Admission
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-HOLD_JITTER = 0.5  # a held 503 waits up to this share of Retry-After more than Retry-After itself
+HOLD_JITTER = 1.0  # a held 503 waits up to this share of Retry-After more than Retry-After itself
 LINGER_S = 2.0  # how long a refused client's late bytes are read and dropped before the socket closes
 _IDLE, _HEADERS, _BODY = 0, 1, 2
 
