@@ -3,6 +3,7 @@ excess connections, early answers on keep-alive connections, disconnects mid-bod
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import itertools
 import json
@@ -11,7 +12,7 @@ import selectors
 import socket
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -294,6 +295,20 @@ def test_good_requests_keep_their_connection(server: Server) -> None:
             assert answer.status == 200 and "connection" not in answer.headers
 
 
+@contextlib.contextmanager
+def full_pod(tmp_path, toy_model, monkeypatch) -> Iterator[tuple[Server, Future]]:
+    """A server whose queue of one is held full for 6 s by one request (its answer: the future)."""
+    monkeypatch.setenv("TOY_DELAY_S", "6.0")
+    settings = dict(max_batch_size=1, max_queue_depth=1, workers_per_device=1, batch_timeout_ms=0)
+    with running_server(tmp_path, **settings, **toy_model("Slow")) as server, ThreadPoolExecutor(1) as pool:
+        held = pool.submit(good_request, server)
+        deadline = time.monotonic() + 10
+        while server.metric("imgserve_queue_depth") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        yield server, held
+
+
 @pytest.mark.parametrize(("path", "route"), [("/predict", "/predict"), ("/v2/models/Slow/infer", "/v2/infer")])
 def test_a_full_pod_sheds_at_the_headers_and_keeps_the_connection(
     tmp_path, toy_model, monkeypatch, path: str, route: str
@@ -305,14 +320,7 @@ def test_a_full_pod_sheds_at_the_headers_and_keeps_the_connection(
     def queue_full(answer: Answer) -> bool:
         return answer.code == "queue_full" if route == "/predict" else v2_error(answer) == "the queue is full"
 
-    monkeypatch.setenv("TOY_DELAY_S", "6.0")
-    settings = dict(max_batch_size=1, max_queue_depth=1, workers_per_device=1, batch_timeout_ms=0)
-    with running_server(tmp_path, **settings, **toy_model("Slow")) as server, ThreadPoolExecutor(1) as pool:
-        held = pool.submit(good_request, server)
-        deadline = time.monotonic() + 10
-        while server.metric("imgserve_queue_depth") < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    with full_pod(tmp_path, toy_model, monkeypatch) as (server, held):
         with connect(server) as sock:
             answered_at = []
             for _ in range(3):  # resent at once: the second and third 503 wait for the Retry-After of 1 s
@@ -337,15 +345,8 @@ def test_a_full_pod_sheds_at_the_headers_and_keeps_the_connection(
 
 def test_clients_refused_together_and_resending_at_once_come_back_spread_out(tmp_path, toy_model, monkeypatch) -> None:
     """A retry storm's herd: 24 connections refused at once, each resending at once, get their held 503s spread
-    over Retry-After .. 2 x Retry-After, not all at the same moment (when the queue would have run dry)."""
-    monkeypatch.setenv("TOY_DELAY_S", "6.0")
-    settings = dict(max_batch_size=1, max_queue_depth=1, workers_per_device=1, batch_timeout_ms=0)
-    with running_server(tmp_path, **settings, **toy_model("Slow")) as server, ThreadPoolExecutor(1) as pool:
-        held = pool.submit(good_request, server)
-        deadline = time.monotonic() + 10
-        while server.metric("imgserve_queue_depth") < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+    over Retry-After .. 2 x Retry-After, not all at the same moment."""
+    with full_pod(tmp_path, toy_model, monkeypatch) as (server, held):
         sockets = [connect(server) for _ in range(24)]
         try:
             for sock in sockets:  # refused together

@@ -72,13 +72,8 @@ class BatchHeap:
         floor_bytes: int = FLOOR_BYTES,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.release, self.recent_s, self.slack, self.floor_bytes, self.clock = (
-            release,
-            recent_s,
-            slack,
-            floor_bytes,
-            clock,
-        )
+        self.release, self.clock = release, clock
+        self.recent_s, self.slack, self.floor_bytes = recent_s, slack, floor_bytes
         self._needs: collections.deque[tuple[float, int]] = collections.deque()  # (when, bytes), the largest first
         self.base_bytes = anonymous_bytes()  # what the worker holds with no batch memory kept
 

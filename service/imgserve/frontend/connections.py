@@ -11,7 +11,7 @@ for the client's retry (on /v2 routes in the protocol's envelope). A client that
 sooner than the Retry-After it was given gets its next 503 only once that time is up, plus a random part of up to
 as much again: a retry storm of clients that resend at once costs the pod one answer per client per Retry-After, not as
 many as the clients can send (and the clients' own CPU, where they share the machine), and its clients come back
-spread out instead of all together (a herd that leaves the queue empty between its returns).
+spread out instead of all together every Retry-After.
 
 Built on uvicorn's HttpToolsProtocol internals: pyproject.toml pins the uvicorn versions it was tested with.
 """
@@ -254,8 +254,8 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _shed_keeping_connection(self, answer: bytes) -> None:
         """Send the 503 now, or, to a client back before its last Retry-After was up, once it is and a random part
-        of it more (reading paused): clients that resend at once and were refused together come back spread out,
-        not all at once every Retry-After while the queue runs dry in between."""
+        of it more (reading paused): clients that resend at once come back less often, and a herd refused together
+        comes back spread out, not all at once every Retry-After."""
         now = self.loop.time()
         due = self._last_shed + self.settings.retry_after_s
         if due <= now:
