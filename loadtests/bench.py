@@ -192,8 +192,9 @@ def storm_costs(capacity: Cell, storm: Cell, seconds: float) -> str:
     rejections_per_s = storm.result.shed / seconds
     if not rejections_per_s:
         return "retry storm: no rejection"
-    extra_server = storm.server_cores - capacity.server_cores * storm.result.rps / max(capacity.result.rps, 1e-9)
-    extra_client = storm.client_cores - capacity.client_cores * storm.result.rps / max(capacity.result.rps, 1e-9)
+    answers = storm.result.rps / max(capacity.result.rps, 1e-9)  # the storm's answers, in capacity cells
+    extra_server = storm.server_cores - capacity.server_cores * answers
+    extra_client = storm.client_cores - capacity.client_cores * answers
     return (
         f"retry storm's CPU per rejection, beyond the work of its answers: server "
         f"{1e6 * extra_server / rejections_per_s:.0f} us, clients {1e6 * extra_client / rejections_per_s:.0f} us "

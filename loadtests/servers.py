@@ -82,19 +82,19 @@ class RunningServer:
 
     def tree_cpu_s(self) -> float:
         """CPU seconds (user + system) the whole process tree has used so far."""
-        total = 0.0
-        for process in self.tree():
-            with contextlib.suppress(psutil.Error):
-                total += sum(process.cpu_times()[:2])
-        return total
+        return self._tree_sum(lambda process: sum(process.cpu_times()[:2]))
 
     def tree_pss(self) -> int:
         """Proportional set size of the whole process tree, in bytes: each page is charged 1/k to each of the k
         processes that map it, so pages shared by every worker count once (RSS would count them once per worker)."""
-        total = 0
+        return int(self._tree_sum(lambda process: process.memory_full_info().pss))
+
+    def _tree_sum(self, measure: Callable[[psutil.Process], float]) -> float:
+        """`measure` summed over the process tree (a process that exits meanwhile counts for nothing)."""
+        total = 0.0
         for process in self.tree():
             with contextlib.suppress(psutil.Error):
-                total += process.memory_full_info().pss
+                total += measure(process)
         return total
 
 
