@@ -18,7 +18,7 @@ from imgserve.config import Settings
 from imgserve.errors import ApiError
 from imgserve.handoff import slots as pixel_slots
 from imgserve.handoff.answers import AnswerSockets
-from imgserve.handoff.dispatch import Dispatcher
+from imgserve.handoff.dispatch import WORKER_CHECK_S, Dispatcher
 from imgserve.handoff.requests import RequestSocket
 from imgserve.handoff.slots import InSlot, SlotFiles
 from imgserve.handoff.state import SharedState
@@ -118,11 +118,11 @@ def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its
             slot.write(image)
             return slot.result(await slot.submit(image.shape, time.monotonic() + timeout))
 
-    def work(message: tuple) -> None:
-        """What a worker does: read the slot, write the answer into it, send a small answer."""
+    def work(message: tuple, taken: bool = False) -> None:
+        """What a worker does: take the request, read the slot, write the answer into it, send a small answer."""
         _, uid, _, payload = message
         index, ticket = payload["slot"]
-        assert state.mark_taken(index, ticket, worker=0)
+        assert taken or state.mark_taken(index, ticket, worker=0)
         files = SlotFiles(slot_dir)
         pixels = files.read(index, payload["shape"])
         files.write(index, 255 - pixels)
@@ -155,8 +155,13 @@ def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its
         await asyncio.to_thread(requests.get, timeout=5)  # ... and never marked: the worker is gone
         state.worker_lost(0)
         resent = await asyncio.to_thread(requests.get, timeout=5)
+        # Its replacement (the same worker index) takes the copy: the request is the new worker's, not lost with
+        # the dead one, and its slot stays the request's until the answer.
+        assert state.mark_taken(*resent[3]["slot"], worker=0)
+        await asyncio.sleep(4 * WORKER_CHECK_S)
+        assert not lost.done() and len(dispatcher._free) == 1, "failed with the dead worker"
         state.worker_back(0)
-        await asyncio.to_thread(work, resent)
+        await asyncio.to_thread(work, resent, True)
         assert (await lost == 255 - image).all()
         assert not state.mark_taken(*resent[3]["slot"], worker=0), "a second copy of a taken request must be dropped"
 

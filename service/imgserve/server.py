@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -202,6 +203,11 @@ class ImageServer(ls.LitServer):
     def _init_manager(self, num_api_servers: int) -> Any:
         """LitServe's Manager (worker status, shutdown event), with requests and answers over imgserve's datagram
         sockets instead of its queues."""
+        # A forked child (this Manager, the front ends) shares the main process's Python objects until either
+        # writes to their pages, and a full garbage collection writes to every one (~50 MiB copied per child).
+        # So the garbage is collected once, before the first fork, and the collector leaves the rest alone.
+        gc.collect()
+        gc.freeze()
         manager = super()._init_manager(num_api_servers)
         # Abstract socket names are per network namespace, and pids repeat across containers on the host network.
         name = f"imgserve-{os.getpid()}-{uuid.uuid4().hex[:12]}"
@@ -276,6 +282,7 @@ class ImageServer(ls.LitServer):
         process = mp.get_context("fork").Process(
             target=FrontEndServer(config=config).run, args=(index, self._front_end_sockets), name=f"LitServer-{index}"
         )
+        gc.freeze()  # what was made since the Manager's fork too (see _init_manager)
         process.start()
         return process
 

@@ -159,9 +159,8 @@ class Dispatcher:
             self._send(pending.message)
 
     def _lost(self, pending: _Pending) -> bool:
-        """Will no answer come? Its worker died after it was queued, or the queue itself died."""
-        worker = self.state.taken_by(pending.slot, pending.ticket)
-        return self.state.queue_lost or (worker is not None and self.state.lost_since(worker, pending.submitted))
+        """Will no answer come? The worker process that took it died, or the queue itself died."""
+        return self.state.queue_lost or self.state.taker_died(pending.slot, pending.ticket)
 
     def _release(self, index: int) -> None:
         self.files.trim(index)

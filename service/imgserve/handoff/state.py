@@ -25,9 +25,11 @@ class SharedState:
         self._budget_bytes = _ctx.Value("q", 0)
         self._alive = _ctx.Array("b", [1] * workers)
         self._lost_at = _ctx.Array("d", [0.0] * workers)
+        self._lives = _ctx.Array("i", workers, lock=False)  # per worker index: how many of its processes died
         # Per request slot: the front end's ticket (one writer), and which worker took it (first taker wins).
         self._owner = _ctx.Array("q", request_slots, lock=False)
         self._taken = _ctx.Array("q", request_slots, lock=False)
+        self._taken_in_life = _ctx.Array("i", request_slots, lock=False)  # ... and which process of that worker
         self._take_lock = _ctx.Lock()
         self._task = _ctx.Array("c", 16)  # the output kind the workers decided (models/outputs.py)
         self._setup_failure = _ctx.Array("c", SETUP_FAILURE_BYTES)
@@ -102,8 +104,10 @@ class SharedState:
 
     # Worker health, kept by the main process's monitor.
     def worker_lost(self, worker: int) -> None:
+        """Worker `worker`'s process died (called before its replacement starts)."""
         self._alive[worker] = 0
         self._lost_at[worker] = time.monotonic()
+        self._lives[worker] += 1
 
     def worker_back(self, worker: int) -> None:
         self._alive[worker] = 1
@@ -119,10 +123,6 @@ class SharedState:
     @property
     def all_workers_alive(self) -> bool:
         return all(self._alive[:])
-
-    def lost_since(self, worker: int, since: float) -> bool:
-        """Did `worker` die after `since` (a time.monotonic() reading)?"""
-        return self._lost_at[worker] > since
 
     def last_loss(self) -> float:
         """When a worker last died (time.monotonic(); 0 if none has)."""
@@ -143,6 +143,7 @@ class SharedState:
         with self._take_lock:
             if not self.owns(slot, ticket) or self._taken[slot] >> 8 == ticket:
                 return False
+            self._taken_in_life[slot] = self._lives[worker]  # written first: whoever sees the ticket sees this
             self._taken[slot] = ticket << 8 | worker + 1
             return True
 
@@ -150,3 +151,8 @@ class SharedState:
         """The worker holding request `ticket`, or None while it is queued (a stale ticket in the slot is ignored)."""
         value = self._taken[slot]
         return (value & 0xFF) - 1 if value >> 8 == ticket else None
+
+    def taker_died(self, slot: int, ticket: int) -> bool:
+        """Did the worker process that took request `ticket` die? (Its replacement has the same worker index.)"""
+        worker = self.taken_by(slot, ticket)
+        return worker is not None and self._lives[worker] != self._taken_in_life[slot]
