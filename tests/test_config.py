@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 from imgserve import config
-from imgserve.config import MAX_CPU_WORKERS, MAX_GPU_WORKERS, Settings, gpu_workers_for, usable_cpus
+from imgserve.config import (
+    MAX_CPU_WORKERS,
+    MAX_GPU_WORKERS,
+    Settings,
+    gpu_workers_for,
+    torch_threads_for,
+    usable_cpus,
+)
 
 
 @pytest.mark.parametrize(
@@ -49,3 +56,13 @@ def test_workers_per_gpu_auto_overlaps_the_workers_cpu_work_with_the_gpus(monkey
     assert gpu_workers_for(cpu_s=0.01, device_s=0.0) == 1
     monkeypatch.setattr(config, "usable_cpus", lambda: 4)
     assert gpu_workers_for(cpu_s=0.060, device_s=0.020) == 2  # half the cores stay with the front ends
+
+
+@pytest.mark.parametrize(
+    ("device", "cpus", "workers", "threads"),
+    [("cpu", 2, 2, 2), ("cpu", 1, 1, 1), ("cpu", 16, 4, 8), ("cpu", 3, 2, 2), ("cuda", 16, 2, 8), ("cuda", 2, 4, 1)],
+)
+def test_a_cpu_worker_gets_twice_its_share_of_the_cores_at_most_all_a_gpu_worker_its_share(
+    device: str, cpus: int, workers: int, threads: int
+) -> None:
+    assert torch_threads_for(device, workers, cpus) == threads

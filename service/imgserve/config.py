@@ -41,6 +41,23 @@ def usable_cpus() -> int:
     return cpus
 
 
+def torch_threads_for(device_type: str, workers: int, cpus: int | None = None) -> int:
+    """Torch threads per inference worker. On a GPU, the worker's share of the cores. On a CPU, twice its share, at
+    most every core: a lone request then runs on every core while the other workers wait, and under load the
+    workers' threads take turns (OpenMP waits passively, `passive_openmp`) instead of spinning on each other's
+    cores. Measured on 2 cores (docs/benchmarks.md): the built-in model's lone 128x128 request 10.5-12.3 ms instead
+    of 13.9-14.6 ms, the same throughput at 64 users."""
+    cpus = cpus or usable_cpus()
+    share = max(1, cpus // workers)
+    return share if device_type == "cuda" else min(cpus, 2 * share)
+
+
+def passive_openmp() -> None:
+    """Workers spawned from now on: OpenMP threads sleep when they wait instead of spinning (GNU OpenMP spins up to
+    ~300k iterations, milliseconds, after every parallel region), unless the user chose a policy."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def gpu_workers_for(cpu_s: float, device_s: float) -> int:
     """Workers per GPU for `workers_per_device auto`, from one batch's seconds of a worker's own CPU work (filling
     the batch, taking the results apart) and of the model on the GPU. A worker does the two in turn, so alone it
@@ -128,7 +145,8 @@ class Settings(BaseSettings):
     precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="fp16/bf16 run under autocast.")
     workers_per_device: int | Literal["auto"] = Field(
         "auto",
-        description="Inference worker processes per device (cores/workers torch threads each); auto = on a CPU "
+        description="Inference worker processes per device (on a CPU each runs twice its share of the cores in "
+        "torch threads, at most every core; on a GPU its share); auto = on a CPU "
         f"one per core (at most {MAX_CPU_WORKERS}); on a GPU as many as keep it {GPU_BUSY_GOAL:.0%} busy while each "
         f"does its own CPU work, measured at start (at most {MAX_GPU_WORKERS} and half the cores).",
     )

@@ -29,7 +29,14 @@ from litserve.utils import WorkerSetupStatus
 from starlette.routing import Route
 
 from imgserve import __version__, heap, metrics
-from imgserve.config import GPU_BUSY_GOAL, MAX_CPU_WORKERS, Settings, gpu_workers_for, usable_cpus
+from imgserve.config import (
+    GPU_BUSY_GOAL,
+    MAX_CPU_WORKERS,
+    Settings,
+    gpu_workers_for,
+    passive_openmp,
+    torch_threads_for,
+)
 from imgserve.errors import install_handlers
 from imgserve.frontend.admission import Admission, AdmissionMiddleware, queue_bound
 from imgserve.frontend.auth import ApiKeyMiddleware, read_keys
@@ -123,7 +130,9 @@ class ImageServer(ls.LitServer):
             self.worker_count, request_slots=slots_per_front_end * self.front_ends, front_ends=self.front_ends
         )
         self.dispatcher = Dispatcher(self.state, self.slot_directory, slots_per_front_end, settings.retry_after_s)
-        self.torch_threads = max(1, usable_cpus() // self.worker_count)
+        self.torch_threads = torch_threads_for(self.accelerator, self.worker_count)
+        if self.accelerator != "cuda":
+            passive_openmp()
         # On a CPU the slots live in the same RAM as the batches: room for every admitted request at its largest.
         admitted = 0 if self.accelerator == "cuda" else queue_bound(settings, self.worker_count, largest_batch)
         plan = WorkerPlan(
