@@ -12,7 +12,6 @@ from imgserve.config import (
     MAX_GPU_WORKERS,
     Settings,
     gpu_workers_for,
-    torch_threads_for,
     usable_cpus,
 )
 
@@ -63,6 +62,13 @@ def test_workers_per_gpu_auto_overlaps_the_workers_cpu_work_with_the_gpus(monkey
     [("cpu", 2, 2, 2), ("cpu", 1, 1, 1), ("cpu", 16, 4, 8), ("cpu", 3, 2, 2), ("cuda", 16, 2, 8), ("cuda", 2, 4, 1)],
 )
 def test_a_cpu_worker_gets_twice_its_share_of_the_cores_at_most_all_a_gpu_worker_its_share(
-    device: str, cpus: int, workers: int, threads: int
+    device: str, cpus: int, workers: int, threads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    assert torch_threads_for(device, workers, cpus) == threads
+    monkeypatch.setattr(config, "usable_cpus", lambda: cpus)
+    assert Settings().torch_threads_on(device, workers) == threads
+    assert Settings(torch_threads="3").torch_threads_on(device, workers) == 3
+
+
+def test_torch_threads_must_be_a_count_or_auto() -> None:
+    with pytest.raises(ValueError, match="torch_threads must be >= 1"):
+        Settings(torch_threads=0)

@@ -41,17 +41,6 @@ def usable_cpus() -> int:
     return cpus
 
 
-def torch_threads_for(device_type: str, workers: int, cpus: int | None = None) -> int:
-    """Torch threads per inference worker. On a GPU, the worker's share of the cores. On a CPU, twice its share, at
-    most every core: a lone request then runs on every core while the other workers wait, and under load the
-    workers' threads take turns (OpenMP waits passively, `passive_openmp`) instead of spinning on each other's
-    cores. Measured on 2 cores (docs/benchmarks.md): the built-in model's lone 128x128 request 10.5-12.3 ms instead
-    of 13.9-14.6 ms, the same throughput at 64 users."""
-    cpus = cpus or usable_cpus()
-    share = max(1, cpus // workers)
-    return share if device_type == "cuda" else min(cpus, 2 * share)
-
-
 def passive_openmp() -> None:
     """Workers spawned from now on: OpenMP threads sleep when they wait instead of spinning (GNU OpenMP spins up to
     ~300k iterations, milliseconds, after every parallel region), unless the user chose a policy."""
@@ -145,10 +134,15 @@ class Settings(BaseSettings):
     precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="fp16/bf16 run under autocast.")
     workers_per_device: int | Literal["auto"] = Field(
         "auto",
-        description="Inference worker processes per device (on a CPU each runs twice its share of the cores in "
-        "torch threads, at most every core; on a GPU its share); auto = on a CPU "
+        description="Inference worker processes per device; auto = on a CPU "
         f"one per core (at most {MAX_CPU_WORKERS}); on a GPU as many as keep it {GPU_BUSY_GOAL:.0%} busy while each "
         f"does its own CPU work, measured at start (at most {MAX_GPU_WORKERS} and half the cores).",
+    )
+    torch_threads: int | Literal["auto"] = Field(
+        "auto",
+        description="Torch threads per inference worker; auto = on a CPU twice the worker's share of the cores (at "
+        "most all of them: a lone request uses every core, and OpenMP waits passively so that busy workers take "
+        "turns); on a GPU its share.",
     )
     share_weights: bool = Field(
         True,
@@ -237,6 +231,18 @@ class Settings(BaseSettings):
         if self.log_level != "debug":  # a worker's failed setup: one line; `imgserve serve` ends with the reason
             logging.getLogger("litserve.loops.loops").addFilter(_without_traceback)
 
+    def torch_threads_on(self, device_type: str, workers: int) -> int:
+        """Torch threads per inference worker. On a GPU, the worker's share of the cores. On a CPU, twice its share,
+        at most every core: a lone request runs on every core while the other workers wait, and under load the
+        workers' threads take turns (OpenMP waits passively, `passive_openmp`) instead of spinning on each other's
+        cores. Measured on 2 cores (docs/benchmarks.md): the built-in model's lone 128x128 request in 10-12.6 ms
+        instead of 13.9-14.6, the same throughput at 64 users."""
+        if self.torch_threads != "auto":
+            return self.torch_threads
+        cpus = usable_cpus()
+        share = max(1, cpus // workers)
+        return share if device_type == "cuda" else min(cpus, 2 * share)
+
     def workers_on(self, device_type: str, gpu_workers: int = 1) -> int:
         """Workers per device: on a CPU single-threaded workers beat one wide one; on a GPU `gpu_workers`, what
         `gpu_workers_for` chose from a measurement."""
@@ -292,7 +298,7 @@ class Settings(BaseSettings):
             )
         return self
 
-    @field_validator("max_batch_size", "workers_per_device", "api_servers", mode="before")
+    @field_validator("max_batch_size", "workers_per_device", "torch_threads", "api_servers", mode="before")
     @classmethod
     def _count_or_auto(cls, value: object, info: ValidationInfo) -> object:
         if isinstance(value, str) and value.strip().isdigit():

@@ -35,7 +35,6 @@ from imgserve.config import (
     Settings,
     gpu_workers_for,
     passive_openmp,
-    torch_threads_for,
 )
 from imgserve.errors import install_handlers
 from imgserve.frontend.admission import Admission, AdmissionMiddleware, queue_bound
@@ -130,7 +129,7 @@ class ImageServer(ls.LitServer):
             self.worker_count, request_slots=slots_per_front_end * self.front_ends, front_ends=self.front_ends
         )
         self.dispatcher = Dispatcher(self.state, self.slot_directory, slots_per_front_end, settings.retry_after_s)
-        self.torch_threads = torch_threads_for(self.accelerator, self.worker_count)
+        self.torch_threads = settings.torch_threads_on(self.accelerator, self.worker_count)
         if self.accelerator != "cuda":
             passive_openmp()
         # On a CPU the slots live in the same RAM as the batches: room for every admitted request at its largest.

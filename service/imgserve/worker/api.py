@@ -71,7 +71,7 @@ class ImageAPI(ls.LitAPI):
         plan = self.plan
         self.slots = SlotFiles(plan.slot_directory)
         torch_device = torch.device(device)
-        torch.set_num_threads(plan.torch_threads)  # config.torch_threads_for
+        torch.set_num_threads(plan.torch_threads)  # Settings.torch_threads_on
         with self._reported("cannot load the model"):
             shared = plan.weights.tensors(device) if plan.weights.shared else None
             model = load_model(settings.model, settings.model_factory, settings.trust_pickle, shared)
