@@ -68,7 +68,7 @@ def table(log_dir: Path) -> str:
         for share in ("true", "false"):
             pss, weights = {}, 0
             for workers in WORKERS:
-                settings = {**model, "workers_per_device": str(workers), "share_weights": share}
+                settings = {**model, "workers_per_device": str(workers), "share_weights": share, "api_servers": "1"}
                 pss[workers], info = measure(settings, log_dir)
                 weights = info["weights"]["bytes"]
             how = "shared" if share == "true" else "private copies"

@@ -72,3 +72,12 @@ def test_a_cpu_worker_gets_twice_its_share_of_the_cores_at_most_all_a_gpu_worker
 def test_torch_threads_must_be_a_count_or_auto() -> None:
     with pytest.raises(ValueError, match="torch_threads must be >= 1"):
         Settings(torch_threads=0)
+
+
+@pytest.mark.parametrize(("cpus", "front_ends"), [(1, 1), (2, 2), (16, 2)])
+def test_a_cpu_pod_runs_two_front_ends_at_most_one_per_core(
+    cpus: int, front_ends: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(config, "usable_cpus", lambda: cpus)
+    assert Settings().front_ends_on("cpu", workers=min(cpus, MAX_CPU_WORKERS)) == front_ends
+    assert Settings(api_servers="3").front_ends_on("cpu", workers=1) == 3

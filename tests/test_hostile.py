@@ -36,6 +36,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         min_upload_rate=50_000,
         max_connections=MAX_CONNECTIONS,
         max_uploads=MAX_UPLOADS,
+        api_servers=1,  # the connection and upload bounds are per front end; the kernel spreads connections over them
     ) as running:
         yield running
 

@@ -126,9 +126,9 @@ def test_killed_front_end_is_replaced_and_the_other_keeps_serving(tmp_path) -> N
         assert server.process.poll() is None
 
 
-def test_default_server_answers_again_after_its_front_end_is_killed_under_load(tmp_path) -> None:
-    """The issue's case: the only front end of a default `imgserve serve` killed during a load."""
-    with running_server(tmp_path) as server:
+def test_a_lone_front_end_killed_under_load_is_replaced_and_the_server_answers_again(tmp_path) -> None:
+    """The worst case: the only front end (--api-servers 1; a CPU pod runs 2 by default) killed during a load."""
+    with running_server(tmp_path, api_servers=1) as server:
         [front_end] = server.front_end_pids().values()
         killer = threading.Timer(1.0, os.kill, (front_end, signal.SIGKILL))
         killer.start()
@@ -161,7 +161,7 @@ def test_killed_worker_under_load_costs_only_503s(tmp_path) -> None:
 
 
 def test_front_end_that_keeps_dying_ends_the_server(tmp_path) -> None:
-    server = start_server({}, tmp_path)
+    server = start_server({"api_servers": 1}, tmp_path)
     try:
         wait_ready(server)
         children = server.descendants()
@@ -215,10 +215,11 @@ def test_ctrl_c_stops_every_child_without_taking_them_for_dead(tmp_path) -> None
         wait_ready(server)
         assert httpx.post(f"{server.url}/predict", content=IMAGE, headers=PNG, timeout=30).status_code == 200
         children = {process.pid for process in server.tree()[1:]}
+        front_ends = len(server.front_end_pids())
         server.process.send_signal(signal.SIGINT)
         server.process.wait(timeout=60)
-        assert lines_with(server, "died") == [] and lines_with(server, "Started server process") != []
-        assert len(lines_with(server, "Started server process")) == 1, server.log_tail()
+        assert lines_with(server, "died") == [] and front_ends > 0
+        assert len(lines_with(server, "Started server process")) == front_ends, server.log_tail()
         assert_all_gone(children)
     finally:
         stop_server(server)

@@ -17,6 +17,7 @@ MAX_CPU_WORKERS = 4
 MAX_GPU_WORKERS = 4
 GPU_BUSY_GOAL = 0.9  # workers_per_device auto on a GPU: the share of time the GPU should have work
 MAX_FRONT_ENDS = 4
+CPU_FRONT_ENDS = 2  # api_servers auto on a CPU (at most one per core)
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 # torchvision's ImageNet weight transforms (ImageClassification preset): what --preprocess imagenet sets.
 PRESETS: dict[str, dict[str, object]] = {
@@ -83,8 +84,9 @@ class Settings(BaseSettings):
     )
     api_servers: int | Literal["auto"] = Field(
         "auto",
-        description="HTTP front-end processes (they share the port); auto = 1 on a CPU (the workers use every "
-        f"core), on a GPU the cores the inference workers leave free, at least 1, at most {MAX_FRONT_ENDS}.",
+        description=f"HTTP front-end processes (they share the port); auto = on a CPU {CPU_FRONT_ENDS} (at most one "
+        "per core: one event loop is what limits a cheap model), on a GPU the cores the inference workers leave "
+        f"free, at least 1, at most {MAX_FRONT_ENDS}.",
     )
 
     # What it serves.
@@ -251,12 +253,14 @@ class Settings(BaseSettings):
         return gpu_workers if device_type == "cuda" else min(usable_cpus(), MAX_CPU_WORKERS)
 
     def front_ends_on(self, device_type: str, workers: int) -> int:
-        """HTTP front ends: on a GPU the `workers` leave most cores to decoding and encoding; on a CPU they take
-        them."""
+        """HTTP front ends: on a GPU the `workers` leave most cores to decoding and encoding. On a CPU the workers
+        share the cores with them, and one front end's event loop (HTTP, multipart, decode, encode) caps a cheap
+        model: on 2 cores a second one answered 30% more 128x128 images with a near-free model, and as many with the
+        built-in one (docs/benchmarks.md)."""
         if self.api_servers != "auto":
             return self.api_servers
         if device_type != "cuda":
-            return 1
+            return min(usable_cpus(), CPU_FRONT_ENDS)
         return max(1, min(usable_cpus() - workers, MAX_FRONT_ENDS))
 
     def pads_on(self, device_type: str) -> bool:
