@@ -7,13 +7,7 @@ from pathlib import Path
 
 import pytest
 from imgserve import config
-from imgserve.config import (
-    MAX_CPU_WORKERS,
-    MAX_GPU_WORKERS,
-    Settings,
-    gpu_workers_for,
-    usable_cpus,
-)
+from imgserve.config import MAX_CPU_WORKERS, MAX_GPU_WORKERS, Settings, gpu_workers_for, usable_cpus
 
 
 @pytest.mark.parametrize(

@@ -246,8 +246,8 @@ class Settings(BaseSettings):
         return share if device_type == "cuda" else min(cpus, 2 * share)
 
     def workers_on(self, device_type: str, gpu_workers: int = 1) -> int:
-        """Workers per device: on a CPU single-threaded workers beat one wide one; on a GPU `gpu_workers`, what
-        `gpu_workers_for` chose from a measurement."""
+        """Workers per device: on a CPU one per core (under load several narrow workers beat one wide one); on a GPU
+        `gpu_workers`, what `gpu_workers_for` chose from a measurement."""
         if self.workers_per_device != "auto":
             return self.workers_per_device
         return gpu_workers if device_type == "cuda" else min(usable_cpus(), MAX_CPU_WORKERS)

@@ -29,13 +29,7 @@ from litserve.utils import WorkerSetupStatus
 from starlette.routing import Route
 
 from imgserve import __version__, heap, metrics
-from imgserve.config import (
-    GPU_BUSY_GOAL,
-    MAX_CPU_WORKERS,
-    Settings,
-    gpu_workers_for,
-    passive_openmp,
-)
+from imgserve.config import GPU_BUSY_GOAL, MAX_CPU_WORKERS, Settings, gpu_workers_for, passive_openmp
 from imgserve.errors import install_handlers
 from imgserve.frontend.admission import Admission, AdmissionMiddleware, queue_bound
 from imgserve.frontend.auth import ApiKeyMiddleware, read_keys
