@@ -297,9 +297,9 @@ def test_good_requests_keep_their_connection(server: Server) -> None:
 
 
 @contextlib.contextmanager
-def full_pod(tmp_path, toy_model, monkeypatch) -> Iterator[tuple[Server, Future]]:
-    """A server whose queue of one is held full for 6 s by one request (its answer: the future)."""
-    monkeypatch.setenv("TOY_DELAY_S", "6.0")
+def full_pod(tmp_path, toy_model, monkeypatch, hold_s: float = 8.0) -> Iterator[tuple[Server, Future]]:
+    """A server whose queue of one is held full for `hold_s` by one request (its answer: the future)."""
+    monkeypatch.setenv("TOY_DELAY_S", str(hold_s))
     settings = dict(max_batch_size=1, max_queue_depth=1, workers_per_device=1, batch_timeout_ms=0)
     with running_server(tmp_path, **settings, **toy_model("Slow")) as server, ThreadPoolExecutor(1) as pool:
         held = pool.submit(good_request, server)
@@ -324,14 +324,14 @@ def test_a_full_pod_sheds_at_the_headers_and_keeps_the_connection(
     with full_pod(tmp_path, toy_model, monkeypatch) as (server, held):
         with connect(server) as sock:
             answered_at = []
-            for _ in range(3):  # resent at once: the second and third 503 wait for the Retry-After of 1 s
+            for _ in range(3):  # resent at once: the second 503 waits for the Retry-After of 1 s, the third twice that
                 sock.sendall(request_head(path, length=len(GOOD)) + GOOD)
                 answer = read_answer(sock)
                 answered_at.append(time.monotonic())
                 assert (answer.status, answer.headers["retry-after"]) == (503, "1") and queue_full(answer)
                 assert "connection" not in answer.headers
             gaps = [later - earlier for earlier, later in itertools.pairwise(answered_at)]
-            assert all(0.8 < gap < 2 + 0.5 for gap in gaps), gaps  # Retry-After, plus up to as much again
+            assert 0.8 < gaps[0] < 2.5 and 1.8 < gaps[1] < 3.5, gaps  # plus up to one Retry-After of jitter each
             sock.sendall(request_head(path, extra="Transfer-Encoding: chunked\r\n") + b"10\r\n" + b"\0" * 16 + b"\r\n")
             answer = read_answer(sock)
             assert (answer.status, answer.headers["connection"]) == (503, "close") and queue_full(answer)
@@ -342,6 +342,29 @@ def test_a_full_pod_sheds_at_the_headers_and_keeps_the_connection(
         assert held.result() == 200
         assert server.metric("imgserve_requests_total", route=route, code="503") == 5
         assert server.metric("imgserve_rejected_total", reason="queue_full") == 5
+
+
+def test_a_client_resending_at_once_waits_longer_each_time_up_to_four_retry_afters(
+    tmp_path, toy_model, monkeypatch
+) -> None:
+    """Each early return in a row doubles the hold (1, 2, 4 x Retry-After, then no more), and a client that then
+    waits its Retry-After is answered at once."""
+    with full_pod(tmp_path, toy_model, monkeypatch, hold_s=20.0) as (server, held):
+        with connect(server) as sock:
+
+            def refused() -> float:
+                sock.sendall(request_head(length=len(GOOD)) + GOOD)
+                assert read_answer(sock).status == 503
+                return time.monotonic()
+
+            answered_at = [refused() for _ in range(5)]
+            gaps = [later - earlier for earlier, later in itertools.pairwise(answered_at)]
+            for gap, wait in zip(gaps, (1, 2, 4, 4), strict=True):
+                assert wait - 0.2 < gap < wait + 1.5, gaps  # plus up to one Retry-After of jitter
+            time.sleep(1.05)  # polite: back once its Retry-After is up
+            started = time.monotonic()
+            assert refused() - started < 0.5
+        assert held.result() == 200
 
 
 def test_clients_refused_together_and_resending_at_once_come_back_spread_out(tmp_path, toy_model, monkeypatch) -> None:

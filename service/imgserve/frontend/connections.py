@@ -9,9 +9,10 @@ always carries `Connection: close`. An inference request (/predict, v2 HTTP infe
 (queue full, draining) is answered 503 here, before any ASGI work, and its body is skipped, keeping the connection
 for the client's retry (on /v2 routes in the protocol's envelope). A client that comes back on the same connection
 sooner than the Retry-After it was given gets its next 503 only once that time is up, plus a random part of up to
-as much again: a retry storm of clients that resend at once costs the pod one answer per client per Retry-After, not as
-many as the clients can send (and the clients' own CPU, where they share the machine), and its clients come back
-spread out instead of all together every Retry-After.
+as much again, and each time it comes back that early again it waits twice as long (up to 4x Retry-After): a retry
+storm of clients that resend at once costs the pod one answer per client per few Retry-Afters, not as many as the
+clients can send (and the clients' own CPU, where they share the machine), and its clients come back spread out
+instead of all together every Retry-After. A client that waits as it is told is never held.
 
 Built on uvicorn's HttpToolsProtocol internals: pyproject.toml pins the uvicorn versions it was tested with.
 """
@@ -33,6 +34,7 @@ from imgserve.frontend.admission import SHED_MESSAGES, Admission
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 HOLD_JITTER = 1.0  # a held 503 waits up to this share of Retry-After more than Retry-After itself
+MAX_HOLD_DOUBLINGS = 2  # a client back early again and again waits 1, 2, then 4x Retry-After (plus the jitter)
 LINGER_S = 2.0  # how long a refused client's late bytes are read and dropped before the socket closes
 _IDLE, _HEADERS, _BODY = 0, 1, 2
 
@@ -114,6 +116,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._lingering = False
         self._refusal: str | None = None
         self._last_shed = -float("inf")  # when this connection's last 503 was sent
+        self._early_returns = 0  # how many times in a row this connection came back before its Retry-After
         self._hold: asyncio.TimerHandle | None = None  # a 503 waiting for the client's Retry-After to pass
         self._done_while_held = False
 
@@ -254,17 +257,17 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _shed_keeping_connection(self, answer: bytes) -> None:
         """Send the 503 now, or, to a client back before its last Retry-After was up, once it is and a random part
-        of it more (reading paused): clients that resend at once come back less often, and a herd refused together
-        comes back spread out, not all at once every Retry-After."""
-        now = self.loop.time()
-        due = self._last_shed + self.settings.retry_after_s
-        if due <= now:
-            self._last_shed = now
+        of it more (reading paused), twice as long for each early return in a row: clients that resend at once come
+        back less and less often, and a herd refused together comes back spread out, not all at once."""
+        now, retry = self.loop.time(), self.settings.retry_after_s
+        if now >= self._last_shed + retry:  # the first 503, or a client that waited as it was told
+            self._last_shed, self._early_returns = now, 0
             return self._socket.write(answer)
-        due += random.uniform(0, HOLD_JITTER * self.settings.retry_after_s)
-        self._last_shed = due
+        self._early_returns += 1
+        wait = retry * 2 ** min(self._early_returns - 1, MAX_HOLD_DOUBLINGS)
+        self._last_shed += wait + random.uniform(0, HOLD_JITTER * retry)
         self.flow.pause_reading()
-        self._hold = self.loop.call_at(due, self._send_held, answer)
+        self._hold = self.loop.call_at(self._last_shed, self._send_held, answer)
 
     def _send_held(self, answer: bytes) -> None:
         self._hold = None
