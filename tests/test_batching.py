@@ -168,3 +168,33 @@ def test_split_seconds_times_the_batch_work_and_the_model_call() -> None:
     runner = BatchRunner(build_denoiser(), torch.device("cpu"))
     cpu_s, device_s = runner.split_seconds([InMemory(np.zeros((32, 32, 3), dtype=np.uint8))] * 2)
     assert cpu_s >= 0 and device_s > 0
+
+
+def test_a_small_cpu_batch_is_converted_on_one_thread_and_the_model_runs_on_all_of_them(monkeypatch) -> None:
+    """The uint8 <-> float passes of a small batch run on one thread (a passive OpenMP thread costs more to wake
+    than they take), the model on the worker's thread count, which is back in place afterwards; the answers are
+    the same as with every pass on all threads, and a large batch is converted on all of them."""
+    model_threads = []
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        model_threads.append(torch.get_num_threads())
+        return x.clamp(0, 1)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        small = [InMemory(np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8))]
+        large = [InMemory(np.random.default_rng(2).integers(0, 256, (640, 640, 3), dtype=np.uint8))]
+        fast = runner(pad=False, model=model)
+        results = [fast(batch)[0] for batch in (small, large)]
+        assert model_threads == [2, 2] and torch.get_num_threads() == 2
+        observed = []
+        original = torch.set_num_threads
+        with monkeypatch.context() as patch:  # a spy on the real call
+            patch.setattr(torch, "set_num_threads", lambda n: (observed.append(n), original(n)))
+            fast(small), fast(large)
+        assert observed == [1, 2, 1, 2]  # the small batch's input and output passes; none for the large one
+        for batch, result in zip((small, large), results, strict=True):
+            np.testing.assert_array_equal(result, batch[0].array)  # clamp(x / 255) * 255 rounds back to x
+    finally:
+        torch.set_num_threads(before)
