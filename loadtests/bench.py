@@ -16,18 +16,16 @@ import datetime
 import shlex
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-import psutil
 
 from loadtests.closed_loop import LoadResult, run_closed_loop
 from loadtests.inprocess import BATCH_SIZES, Limit, measure_limit
 from loadtests.report import failures_seen, machine, publish
-from loadtests.servers import ResourceSampler, free_port, imgserve_command, running_server
+from loadtests.servers import CpuWindow, ResourceSampler, free_port, imgserve_command, running_server
 
 CONCURRENCIES = (1, 3, 20, 64)
 OVERLOAD_FACTOR = 10
@@ -102,19 +100,16 @@ def bench_server(contender: Contender, plan: Plan, log_dir: Path) -> tuple[list[
             info = httpx.get(server.url + "/info", timeout=5).json()
         url = server.url + "/predict"
         run_closed_loop(url, users=4, seconds=plan.warmup_s)
-        cells, client = [], psutil.Process()
+        cells = []
         runs = [(contender.name, users, False) for users in plan.concurrencies]
         if contender.name == IMGSERVE:
             runs.append((STORM, plan.overload, True))
         for name, users, retry_at_once in runs:
-            cpu_before, server_before = sum(client.cpu_times()[:2]), server.tree_cpu_s()
-            started = time.perf_counter()
-            with ResourceSampler(server) as sampler:
+            with ResourceSampler(server) as sampler, CpuWindow(server, plan.warmup_s, plan.seconds) as cpu:
                 result = run_closed_loop(url, users, plan.seconds, plan.warmup_s, retry_at_once=retry_at_once)
-            elapsed = time.perf_counter() - started
-            cores = (sum(client.cpu_times()[:2]) - cpu_before) / elapsed
-            server_cores = (server.tree_cpu_s() - server_before) / elapsed
-            cells.append(Cell(name, result, sampler.peak_pss_bytes, sampler.peak_gpu_bytes, cores, server_cores))
+            cells.append(
+                Cell(name, result, sampler.peak_pss_bytes, sampler.peak_gpu_bytes, cpu.client_cores, cpu.server_cores)
+            )
             print(f"  {name:26s} users {users:4d}: {_summary(cells[-1])}", flush=True)
     return cells, info
 

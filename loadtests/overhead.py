@@ -27,7 +27,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-import psutil
 import torch
 from imgserve.config import Settings
 from PIL import Image
@@ -35,7 +34,7 @@ from PIL import Image
 from loadtests.closed_loop import LoadResult, run_closed_loop
 from loadtests.images import SampleImage, square_jpegs
 from loadtests.report import failures_seen, machine, publish
-from loadtests.servers import ResourceSampler, RunningServer, free_port, imgserve_command, running_server
+from loadtests.servers import CpuWindow, ResourceSampler, RunningServer, free_port, imgserve_command, running_server
 
 SIDES = (128, 512, 1024)
 CONCURRENCIES = (1, 16, 64)
@@ -277,12 +276,9 @@ def _limit_pair(pipeline: InProcess, images: tuple[SampleImage, ...], seconds: f
 def _measure_cell(
     server: RunningServer, side: int, users: int, images: tuple[SampleImage, ...], seconds: float, warmup_s: float
 ) -> Cell:
-    client = psutil.Process()
-    cpu_before, started = sum(client.cpu_times()[:2]), time.perf_counter()
-    with ResourceSampler(server) as sampler:
+    with ResourceSampler(server) as sampler, CpuWindow(server, warmup_s, seconds) as cpu:
         result = run_closed_loop(server.url + "/predict", users, seconds, warmup_s, images=images, decode_answers=False)
-    cores = (sum(client.cpu_times()[:2]) - cpu_before) / (time.perf_counter() - started)
-    return Cell(side, result, sampler.peak_pss_bytes, cores)
+    return Cell(side, result, sampler.peak_pss_bytes, cpu.client_cores)
 
 
 def _summary(cell: Cell) -> str:

@@ -208,6 +208,44 @@ class ResourceSampler:
             self._stop.wait(self.interval_s)
 
 
+class CpuWindow:
+    """The CPU that this process (the load generator) and a server's process tree use in a cell's measured window,
+    `start_s` after the block starts for `seconds`: not in the warm-up, nor in the tail of answers still coming
+    after it (under a retry storm that tail is the held 503s, seconds of a server with little to do)."""
+
+    def __init__(self, server: RunningServer, start_s: float, seconds: float) -> None:
+        self.server, self.start_s, self.seconds = server, start_s, seconds
+        self._client = psutil.Process()
+        self._marks: list[tuple[float, float, float]] = []  # (time, client CPU s, server CPU s) at start and end
+        self._timers = [threading.Timer(start_s, self._mark), threading.Timer(start_s + seconds, self._mark)]
+
+    def __enter__(self) -> Self:
+        for timer in self._timers:
+            timer.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for timer in self._timers:
+            timer.cancel()
+        while len(self._marks) < 2:  # the block ended early: its end closes the window
+            self._mark()
+
+    def _mark(self) -> None:
+        self._marks.append((time.perf_counter(), sum(self._client.cpu_times()[:2]), self.server.tree_cpu_s()))
+
+    def _cores(self, which: int) -> float:
+        (start, *before), (end, *after) = self._marks[:2]
+        return (after[which] - before[which]) / max(end - start, 1e-9)
+
+    @property
+    def client_cores(self) -> float:
+        return self._cores(0)
+
+    @property
+    def server_cores(self) -> float:
+        return self._cores(1)
+
+
 def gpu_memory_bytes(pids: set[int]) -> int | None:
     """GPU memory the given processes hold, from nvidia-smi; None without a GPU."""
     if not shutil.which("nvidia-smi"):

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +18,7 @@ from loadtests.closed_loop import LoadResult, Outcome, run_closed_loop
 from loadtests.images import check_answer, sample_images
 from loadtests.inprocess import Limit
 from loadtests.run import run_load_test
-from loadtests.servers import RunningServer, free_port, imgserve_command, running_server
+from loadtests.servers import CpuWindow, RunningServer, free_port, imgserve_command, running_server
 from loadtests.shapes import SHAPES
 
 
@@ -176,3 +179,22 @@ def test_gpu_check_runs_on_a_cpu_with_the_gpu_rows_skipped(tmp_path: Path) -> No
     assert {rows[name] for name in overhead_rows} <= {gpu_check.PASS, gpu_check.FAIL}
     assert status in (0, 1)  # 2 would be a check that raised
     assert "| 1024x1024 | 16 |" in out.read_text()  # the overhead report follows the table
+
+
+def test_the_cpu_window_counts_the_measured_window_not_the_warm_up_or_the_tail(tmp_path: Path) -> None:
+    """This process idles 0.3 s (warm-up), spins 0.6 s (the window), idles 0.6 s (the tail): about one core in the
+    window, where the whole block averages 0.4. A sleeping server process counts about nothing."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        server = RunningServer("http://127.0.0.1:1", sleeper, tmp_path / "log")
+        with CpuWindow(server, start_s=0.3, seconds=0.6) as cpu:
+            time.sleep(0.3)
+            until = time.perf_counter() + 0.6
+            while time.perf_counter() < until:
+                pass
+            time.sleep(0.6)
+        assert cpu.client_cores > 0.6, cpu.client_cores
+        assert cpu.server_cores < 0.2, cpu.server_cores
+    finally:
+        sleeper.kill()
+        sleeper.wait()
