@@ -43,7 +43,7 @@ def decode_image(data: bytes, max_pixels: int, preprocess: Preprocess | None = N
         raise ApiError(400, "corrupt_image", f"the JPEG has more than {MAX_JPEG_SCANS} scans")
     try:
         image.load()
-        image = ImageOps.exif_transpose(image)
+        ImageOps.exif_transpose(image, in_place=True)  # a copy would cost as much as a third of the decode
         rgb = _to_rgb(image)
     except Exception as exc:
         raise _corrupt(exc) from None
@@ -73,7 +73,7 @@ def _to_rgb(image: Image.Image) -> Image.Image:
         image = Image.fromarray(np.clip(wide * scale, 0, 255).astype(np.uint8), mode="L")
     if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
         return _over_white(image.convert("RGBA"))
-    return image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
 def _over_white(rgba: Image.Image) -> Image.Image:

@@ -60,7 +60,8 @@ class Preprocess:
         if crop[2:] != resized:
             left, top, width, height = crop
             image = image.crop((left, top, left + width, top + height))
-        return Prepared(np.array(image, dtype=np.uint8), Geometry(original, resized, crop))
+        # Read-only, over one copy of the pixels (np.array would make a second): they are only written to a slot.
+        return Prepared(np.asarray(image), Geometry(original, resized, crop))
 
     def resized_size(self, width: int, height: int) -> tuple[int, int]:
         """torchvision Resize(N): the shorter side becomes N, the longer N * long / short truncated to an int."""
