@@ -44,7 +44,7 @@ def photo(width: int, height: int) -> bytes:
 
 def to_tensor(pixels: np.ndarray) -> torch.Tensor:
     """uint8 HxWx3 -> float32 3xHxW in [0, 1], as torchvision's ToTensor."""
-    return torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).float().div(255.0)
+    return torch.tensor(pixels).permute(2, 0, 1).float().div(255.0)  # a copy: decoded pixels are read-only
 
 
 def from_tensor(image: torch.Tensor) -> np.ndarray:
