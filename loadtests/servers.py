@@ -214,7 +214,7 @@ class CpuWindow:
     after it (under a retry storm that tail is the held 503s, seconds of a server with little to do)."""
 
     def __init__(self, server: RunningServer, start_s: float, seconds: float) -> None:
-        self.server, self.start_s, self.seconds = server, start_s, seconds
+        self.server = server
         self._client = psutil.Process()
         self._marks: list[tuple[float, float, float]] = []  # (time, client CPU s, server CPU s) at start and end
         self._timers = [threading.Timer(start_s, self._mark), threading.Timer(start_s + seconds, self._mark)]

@@ -192,7 +192,8 @@ def test_a_small_cpu_batch_is_converted_on_one_thread_and_the_model_runs_on_all_
         original = torch.set_num_threads
         with monkeypatch.context() as patch:  # a spy on the real call
             patch.setattr(torch, "set_num_threads", lambda n: (observed.append(n), original(n)))
-            fast(small), fast(large)
+            fast(small)
+            fast(large)
         assert observed == [1, 2, 1, 2]  # the small batch's input and output passes; none for the large one
         for batch, result in zip((small, large), results, strict=True):
             np.testing.assert_array_equal(result, batch[0].array)  # clamp(x / 255) * 255 rounds back to x
