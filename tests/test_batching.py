@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from imgserve.errors import ApiError
 from imgserve.models.denoiser import build_denoiser
@@ -166,8 +167,22 @@ def test_the_memory_plan_shares_the_fraction_among_the_devices_workers_and_keeps
 
 def test_split_seconds_times_the_batch_work_and_the_model_call() -> None:
     runner = BatchRunner(build_denoiser(), torch.device("cpu"))
-    cpu_s, device_s = runner.split_seconds([InMemory(np.zeros((32, 32, 3), dtype=np.uint8))] * 2)
-    assert cpu_s >= 0 and device_s > 0
+    batch, cpu_s, device_s = runner.split_seconds([InMemory(np.zeros((32, 32, 3), dtype=np.uint8))] * 2)
+    assert batch == 2 and cpu_s >= 0 and device_s > 0
+
+
+def test_split_seconds_halves_a_batch_the_device_has_no_memory_for() -> None:
+    """The workers_per_device probe (a batch of 8 on a GPU) must not fail a server whose model fits fewer images;
+    out of memory even on one image is raised (imgserve then exits 2 with one line)."""
+    probe = [InMemory(np.zeros((16, 16, 3), dtype=np.uint8))] * 8
+    batch, _, device_s = runner(pad=False, model=_OutOfMemoryAboveOne()).split_seconds(probe)
+    assert batch == 1 and device_s > 0
+
+    def always(x: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("simulated")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        runner(pad=False, model=always).split_seconds(probe)
 
 
 def test_a_small_cpu_batch_is_converted_on_one_thread_and_the_model_runs_on_all_of_them(monkeypatch) -> None:

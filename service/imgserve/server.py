@@ -86,11 +86,14 @@ def choose_gpu_workers(settings: Settings, weights: SharedWeights, device_type: 
     shared_tensors = weights.owner.get(str(device))  # the main process's copy: adopted, not copied
     model = load_model(settings.model, settings.model_factory, settings.trust_pickle, shared_tensors).to(device)
     runner = BatchRunner.for_settings(model, device, settings)
-    runner.measure(settings.gpu_memory_fraction)  # warm-up (and the channels_last fallback)
     batch = settings.max_batch_size if isinstance(settings.max_batch_size, int) else PROBE_BATCH
     side = runner.probe_side
     images = [InMemory(np.zeros((side, side, 3), dtype=np.uint8)) for _ in range(batch)]
-    cpu_s, device_s = runner.split_seconds(images)
+    try:
+        runner.measure(settings.gpu_memory_fraction)  # warm-up (and the channels_last fallback)
+        batch, cpu_s, device_s = runner.split_seconds(images)  # halved until it fits
+    except torch.OutOfMemoryError:
+        raise ModelLoadError(f"the model runs out of GPU memory on one {side}x{side} image") from None
     del runner, model
     torch.cuda.empty_cache()
     workers = gpu_workers_for(cpu_s, device_s)
@@ -361,8 +364,20 @@ def serve(settings: Settings) -> int:
     slot_directory = create_directory(os.getpid())
     weights_directory = create_directory(os.getpid(), "weights")
     try:
-        server = ImageServer(settings, slot_directory, weights_directory)
-        install_drain_on_sigterm(server)
+        return run_server(ImageServer(settings, slot_directory, weights_directory))
+    except ModelLoadError as exc:
+        log.error("imgserve: %s", exc)
+        return 2
+    finally:  # LitServe has stopped the workers: nothing maps the weights any more
+        remove_directory(slot_directory)
+        remove_directory(weights_directory)
+
+
+def run_server(server: ImageServer) -> int:
+    """Serve until SIGTERM/SIGINT; 2 when a worker's setup failed (with its one-line reason)."""
+    settings = server.settings
+    install_drain_on_sigterm(server)
+    try:
         server.run(
             host=settings.host,
             port=settings.port,
@@ -373,16 +388,10 @@ def serve(settings: Settings) -> int:
             http=GuardedHttpToolsProtocol.configured(settings, server.admission),
             ws="none",
         )
-    except ModelLoadError as exc:
-        log.error("imgserve: %s", exc)
-        return 2
     except RuntimeError as exc:  # a worker's setup failed: it left its reason in the shared state
         for worker in server.inference_workers:  # the others would log their own failure after ours
             worker.terminate()
             worker.join(timeout=5)
         log.error("imgserve: %s", server.state.setup_failure or f"the model failed to load or warm up ({exc})")
         return 2
-    finally:  # LitServe has stopped the workers: nothing maps the weights any more
-        remove_directory(slot_directory)
-        remove_directory(weights_directory)
     return server.state.exit_code

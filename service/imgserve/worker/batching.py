@@ -252,9 +252,22 @@ class BatchRunner:
             with autocast:
                 return self.model(inputs)
 
-    def split_seconds(self, images: Sequence[Pixels]) -> tuple[float, float]:
+    def split_seconds(self, images: Sequence[Pixels]) -> tuple[int, float, float]:
         """Seconds one batch of `images` (of one size) spends in this process's own work (filling the batch, taking
-        the results apart) and in the model call on the device (with the host-to-device copy), after a warm-up."""
+        the results apart) and in the model call on the device (with the host-to-device copy), after a warm-up.
+        A batch the device has no memory for is halved until one model call fits; its size comes first."""
+        while True:
+            try:
+                self.forward(self._host_batch(images, *images[0].shape[:2]))
+                self._synchronize()
+                break
+            except torch.OutOfMemoryError:
+                if len(images) == 1:
+                    raise
+                self.on_oom()
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                images = images[: len(images) // 2]
         self(images)
         started = time.perf_counter()
         self(images)
@@ -266,7 +279,7 @@ class BatchRunner:
         self.forward(batch)
         self._synchronize()
         device = time.perf_counter() - started
-        return max(total - device, 0.0), device
+        return len(images), max(total - device, 0.0), device
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
