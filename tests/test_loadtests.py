@@ -164,6 +164,25 @@ def test_gpu_check_exit_status_ranks_error_over_fail_over_pass() -> None:
     assert gpu_check.exit_status([failed, error]) == 2
 
 
+def test_gpu_check_writes_its_table_after_every_check(tmp_path: Path, monkeypatch) -> None:
+    """A run cut short (a lent GPU's time is up) still leaves the rows of the checks that finished; a check's error
+    row keeps the end of its message, where a server log says why it failed."""
+    out, seen = tmp_path / "gpu_check.md", []
+
+    def first(context: gpu_check.Context) -> list[gpu_check.Row]:
+        return [gpu_check.Row.of(gpu_check.AUTO, "first one done", True)]
+
+    def second(context: gpu_check.Context) -> list[gpu_check.Row]:
+        seen.append(out.read_text())
+        raise RuntimeError("x" * 400 + " the reason at the end")
+
+    checks = (gpu_check.Check(first, (gpu_check.AUTO,), False), gpu_check.Check(second, (gpu_check.OOM,), False))
+    monkeypatch.setattr(gpu_check, "CHECKS", checks)
+    assert gpu_check.main(["--out", str(out)]) == 2
+    assert "| first one done |" in seen[0] and gpu_check.OOM not in seen[0]
+    assert "the reason at the end | " in out.read_text()
+
+
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the check runs for real (minutes)")
 def test_gpu_check_runs_on_a_cpu_with_the_gpu_rows_skipped(tmp_path: Path) -> None:
