@@ -147,3 +147,36 @@ def test_the_stop_sentinel_ends_the_loop(setup) -> None:
     requests.put(_SENTINEL_VALUE)
     with pytest.raises(_StopLoopError):
         loop.get_batch_requests(Echo(max_batch_size=4, batch_timeout=0.01), requests, transport)
+
+
+class Failing(Echo):
+    def predict(self, x: object) -> object:
+        raise RuntimeError("the model broke")
+
+
+def test_the_loop_answers_each_request_of_a_batch_and_fails_a_whole_batch_whose_predict_raised(setup) -> None:
+    """imgserve's own loop (LitServe's adds six hooks per batch): one answer per request, OK with predict's answer,
+    or ERROR for every request of a batch whose predict raised; the loop goes on to the next batch either way."""
+    loop, state, requests, transport, answers = setup
+    long_ago = time.monotonic() - 10
+    for i in range(2):
+        requests.put(request(i, long_ago))
+    requests.put(_SENTINEL_VALUE)
+    admit(state, 2)
+    loop.run_batched_loop(Echo(max_batch_size=4, batch_timeout=0.01), requests, transport, callback_runner=None)
+    got = [answers.get(timeout=5) for _ in range(2)]
+    assert [(uid, output["pixels"], status) for uid, (output, status, *_) in got] == [
+        ("u0", 0, ls.utils.LitAPIStatus.OK),
+        ("u1", 1, ls.utils.LitAPIStatus.OK),
+    ]
+    for i in (2, 3):
+        requests.put(request(i, long_ago))
+    requests.put(_SENTINEL_VALUE)  # read after the failed batch: the loop went on
+    admit(state, 2)
+    loop.run_batched_loop(Failing(max_batch_size=2, batch_timeout=0.01), requests, transport, callback_runner=None)
+    got = [answers.get(timeout=5) for _ in range(2)]
+    assert [(uid, output, status) for uid, (output, status, *_) in got] == [
+        ("u2", None, ls.utils.LitAPIStatus.ERROR),
+        ("u3", None, ls.utils.LitAPIStatus.ERROR),
+    ]
+    assert answers.empty()

@@ -118,16 +118,9 @@ class ImageAPI(ls.LitAPI):
         """Idle: the batch buffers kept for reuse and the heap's free memory go back to the system."""
         self.heap.give_back()
 
-    def decode_request(self, request: dict[str, Any]) -> dict[str, Any]:
-        """Nothing to decode: the front end decoded the upload into the slot."""
-        return request
-
-    def batch(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Images of different sizes stay a list: BatchRunner reads them into memory-bounded chunks."""
-        return inputs
-
     def predict(self, items: list[dict[str, Any]]) -> list[Result | InSlot]:
-        """Drop what is past its deadline (never computed), run the rest, one answer per item."""
+        """Drop what is past its deadline (never computed), run the rest, one answer per item: an InSlot, class
+        scores or an ApiError, sent as they are to the front end (the loop in gather.py calls nothing else)."""
         now = time.monotonic()
         live = [i for i, item in enumerate(items) if item["deadline"] > now]
         results: list[Result | InSlot] = [ApiError(504, "deadline", "the deadline passed in the queue")] * len(items)
@@ -161,10 +154,3 @@ class ImageAPI(ls.LitAPI):
         except ApiError as error:
             return error
         return InSlot(output.shape, output.dtype.str)
-
-    def unbatch(self, output: list[Result | InSlot]) -> list[Result | InSlot]:
-        return output
-
-    def encode_response(self, output: Result | InSlot) -> Result | InSlot:
-        """Already small: an InSlot, class scores or an ApiError (passed through to the front end)."""
-        return output
