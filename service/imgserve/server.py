@@ -34,7 +34,7 @@ from imgserve.errors import install_handlers
 from imgserve.frontend.admission import Admission, AdmissionMiddleware, queue_bound
 from imgserve.frontend.auth import ApiKeyMiddleware, read_keys
 from imgserve.frontend.connections import GuardedHttpToolsProtocol
-from imgserve.frontend.inference import Inference
+from imgserve.frontend.inference import CodecThreads, Inference
 from imgserve.frontend.routes import Routes
 from imgserve.frontend.v2 import grpc_service
 from imgserve.frontend.v2.http import V2Routes
@@ -171,7 +171,9 @@ class ImageServer(ls.LitServer):
         """Called by LitServer.__init__; our routes replace LitServe's /health and /info."""
 
     def _register_api_endpoints(self, lit_api: ls.LitAPI, request_type: Any, response_type: Any) -> None:
-        self.inference = Inference(self.settings, self.state, self.dispatcher, self.admission)
+        self.inference = Inference(
+            self.settings, self.state, self.dispatcher, self.admission, CodecThreads.for_front_ends(self.front_ends)
+        )
         routes = Routes(
             self.settings,
             self.state,

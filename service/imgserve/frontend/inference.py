@@ -13,36 +13,58 @@ import contextlib
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+import anyio
 import numpy as np
-from imgserve.config import Settings
+from imgserve.config import Settings, usable_cpus
 from imgserve.errors import ApiError
 from imgserve.frontend import codec
 from imgserve.frontend.admission import Admission
 from imgserve.handoff.dispatch import Dispatcher, Slot
 from imgserve.handoff.state import SharedState
 from imgserve.models.preprocess import Geometry, Preprocess
-from starlette.concurrency import run_in_threadpool
 
 INLINE_CODEC_BYTES = 32 * 1024  # images up to this size are decoded (and their answers encoded) on the event loop
 Image = bytes | np.ndarray  # encoded bytes (any accepted format), or decoded uint8 HxWx3 RGB pixels
 T = TypeVar("T")
 
 
-async def _call(inline: bool, function: Callable[..., Any], *args: Any) -> Any:
-    """`function(*args)` on the event loop when `inline`, else in the thread pool."""
-    return function(*args) if inline else await run_in_threadpool(function, *args)
+class CodecThreads:
+    """Where a front end decodes uploads and encodes answers too large for its event loop: `count` threads, first
+    come first served. 64 large uploads are decoded a few at a time, so the first of them reach a worker while the
+    others wait, rather than all at once and all late, each holding its pixels meanwhile."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self._limiter: anyio.CapacityLimiter | None = None  # made in the front end's own event loop
+
+    @classmethod
+    def for_front_ends(cls, front_ends: int) -> CodecThreads:
+        """Each front end's share of the usable cores."""
+        return cls(max(1, usable_cpus() // front_ends))
+
+    async def run(self, function: Callable[..., T], *args: Any) -> T:
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self.count)
+        return await anyio.to_thread.run_sync(function, *args, limiter=self._limiter)
 
 
 class Inference:
     """Admission, decoding into slots, hand-off to the workers and the wait for their answers."""
 
-    def __init__(self, settings: Settings, state: SharedState, dispatcher: Dispatcher, admission: Admission) -> None:
+    def __init__(
+        self, settings: Settings, state: SharedState, dispatcher: Dispatcher, admission: Admission, codec: CodecThreads
+    ) -> None:
         self.settings, self.state, self.dispatcher, self.admission = settings, state, dispatcher, admission
         self.preprocess = Preprocess.from_settings(settings)
+        self.codec = codec
+
+    async def _call(self, inline: bool, function: Callable[..., Any], *args: Any) -> Any:
+        """`function(*args)` on the event loop when `inline`, else on a codec thread."""
+        return function(*args) if inline else await self.codec.run(function, *args)
 
     async def run(self, images: Sequence[Image], deadline: float, finish: Callable[[Any, Geometry], T]) -> list[T]:
         """Each image's result passed through `finish(result, geometry)` (on the event loop for small images, else
-        in the thread pool), in order; an ApiError for the first failure of any of them."""
+        on a codec thread), in order; an ApiError for the first failure of any of them."""
         if not images:
             raise ApiError(400, "no_images", "the request carries no image")
         refusal = self.admission.refusal()  # draining, or a full queue
@@ -53,16 +75,16 @@ class Inference:
             async with contextlib.AsyncExitStack() as stack:
                 slots = [await stack.enter_async_context(self.dispatcher.slot()) for _ in images]
                 inline = [_size(image) <= INLINE_CODEC_BYTES for image in images]
-                # Large images decode side by side in the thread pool; every decode ends before a slot is let go.
+                # Large images decode on the codec threads; every decode ends before a slot is let go.
                 geometries = await _all(
-                    _call(small, self._decode_into, image, slot)
+                    self._call(small, self._decode_into, image, slot)
                     for small, image, slot in zip(inline, images, slots, strict=True)
                 )
                 answers = await _all(
                     slot.submit(shape, deadline) for slot, (shape, _) in zip(slots, geometries, strict=True)
                 )
                 return [
-                    await _call(small, self._finish, finish, slot, answer, geometry)
+                    await self._call(small, self._finish, finish, slot, answer, geometry)
                     for small, slot, answer, (_, geometry) in zip(inline, slots, answers, geometries, strict=True)
                 ]
         finally:
