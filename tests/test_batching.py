@@ -7,6 +7,7 @@ import pytest
 import torch
 from imgserve.errors import ApiError
 from imgserve.models.denoiser import build_denoiser
+from imgserve.models.outputs import to_pixels
 from imgserve.worker.batching import BatchRunner, InMemory, MemoryPlan, plan_chunks
 
 NHWC = torch.channels_last
@@ -127,6 +128,17 @@ def test_channels_last_gives_the_same_outputs_in_nhwc_memory() -> None:
     for image, output in zip(images(), nhwc(images()), strict=True):
         close(output, in_process(build_denoiser(), image))
     assert seen and all(seen)
+
+
+def test_output_pixels_are_the_same_whichever_memory_layout_and_cast_made_them() -> None:
+    """to_pixels casts a channels-last output with numpy and a strided one with torch: the same uint8 pixels, exactly
+    those of clamp, x255, round, cast, and laid out NHWC."""
+    values = torch.rand(2, 3, 37, 53, generator=torch.Generator().manual_seed(0)) * 1.4 - 0.2
+    expected = values.clamp(0, 1).mul(255).round().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+    for layout in (torch.contiguous_format, NHWC):
+        pixels = to_pixels(values.clone().contiguous(memory_format=layout))
+        assert pixels.dtype == np.uint8 and pixels.flags.c_contiguous
+        assert (pixels == expected).all()
 
 
 def test_a_model_that_refuses_channels_last_falls_back_to_nchw_at_warm_up() -> None:

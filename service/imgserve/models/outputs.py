@@ -127,12 +127,15 @@ def to_pixels(output: torch.Tensor) -> np.ndarray:
     """A model's NxCxHxW output in [0, 1] -> uint8 NxHxWxC on the host, quantised on the device.
 
     The output is scaled in place (it is the batch's own; a broadcast view is copied first), then cast and laid out
-    as NHWC in one copy.
+    as NHWC in one copy. A channels-last output on the CPU is cast by numpy: 1.7 vs 2.3 ms at 1024x1024 on 2 threads
+    (1.9 vs 3.3 on one), torch's float -> uint8 cast being the slow pass; a strided one is cast faster by torch.
     """
     with torch.inference_mode():
         output = output.detach()
         dense = output.is_contiguous() or output.is_contiguous(memory_format=torch.channels_last)
         scaled = (output if dense else output.clone()).clamp_(0, 1).mul_(255).round_().permute(0, 2, 3, 1)
+        if scaled.device.type == "cpu" and scaled.is_contiguous():
+            return scaled.numpy().astype(np.uint8)
         return scaled.to(torch.uint8, memory_format=torch.contiguous_format).cpu().numpy()
 
 
