@@ -161,9 +161,7 @@ class BatchRunner:
         try:
             return self._run_padded(images)
         except torch.OutOfMemoryError:
-            self.on_oom()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self._out_of_memory()
             if len(images) == 1:
                 return [ApiError(503, "out_of_memory", "the image does not fit in device memory now", 1)]
             half = len(images) // 2
@@ -176,6 +174,12 @@ class BatchRunner:
                 return [out for image in images for out in self._run_chunk([image])]
             log.exception("the model raised on an input")
             return [ApiError(500, "model_error", f"the model failed on this image: {type(exc).__name__}: {exc}")]
+
+    def _out_of_memory(self) -> None:
+        """Count the split and give the failed batch's cached blocks back before a smaller one is tried."""
+        self.on_oom()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _run_padded(self, images: Sequence[Pixels]) -> list[Result]:
         height = max(image.shape[0] for image in images)
@@ -264,9 +268,7 @@ class BatchRunner:
             except torch.OutOfMemoryError:
                 if len(images) == 1:
                     raise
-                self.on_oom()
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
+                self._out_of_memory()
                 images = images[: len(images) // 2]
         self(images)
         started = time.perf_counter()
