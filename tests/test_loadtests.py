@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loadtests import bench, capacity, gpu_check, latency, overhead
+from loadtests import bench, capacity, closed_loop, gpu_check, latency, overhead
 from loadtests.closed_loop import LoadResult, Outcome, run_closed_loop
 from loadtests.images import check_answer, sample_images
 from loadtests.inprocess import Limit
@@ -102,6 +102,22 @@ def test_a_retry_storm_resends_at_once_where_polite_clients_wait(imgserve: Runni
     assert polite.failed == storm.failed == 0
     assert polite.shed > 0 and len(storm.answered) > 0
     assert storm.shed > polite.shed  # polite users wait Retry-After (1 s) after each 503; the storm does not
+
+
+def test_a_latency_ends_when_the_answer_is_in_not_after_the_client_checked_it(
+    imgserve: RunningServer, monkeypatch
+) -> None:
+    """The client's own check of an answer (decoding a 1024x1024 JPEG takes it ~6 ms) is not the server's latency."""
+    checked = []
+
+    def slow_check(*args: object) -> None:
+        checked.append(1)
+        time.sleep(0.2)
+
+    monkeypatch.setattr(closed_loop, "check_answer", slow_check)
+    result = run_closed_loop(imgserve.url + "/predict", users=1, seconds=1.5)
+    assert len(checked) >= 3 and len(result.answered) >= 3
+    assert result.latency_ms(0.5) < 150, "a cell's latencies include only the request and its answer"
 
 
 def _result(users: int, latencies_s: list[float], window_s: float = 1.0) -> LoadResult:
