@@ -79,7 +79,7 @@ def taken(state: SharedState) -> list[int]:
 
 def test_an_idle_worker_blocks_on_the_queue_instead_of_polling(setup) -> None:
     loop, state, requests, transport, answers = setup
-    assert loop.get_batch_requests(Echo(max_batch_size=4, batch_timeout=0.01), requests, transport) == ([], [])
+    assert loop.gather_batch(Echo(max_batch_size=4, batch_timeout=0.01), requests) == []
     # LitServe's BatchedLoop polls with get(timeout=0.001) for the whole batch window, over and over.
     assert requests.reads == [("get", IDLE_WAIT_S)]
     assert answers.empty()
@@ -91,9 +91,9 @@ def test_a_backlog_is_taken_at_once_up_to_the_batch_size(setup) -> None:
     for i in range(6):
         requests.put(request(i, long_ago))
     admit(state, 6)
-    batch, timed_out = loop.get_batch_requests(Echo(max_batch_size=4, batch_timeout=1.0), requests, transport)
+    batch = loop.gather_batch(Echo(max_batch_size=4, batch_timeout=1.0), requests)
     assert [uid for _, uid, _ in batch] == ["u0", "u1", "u2", "u3"]
-    assert batch[0] == (0, "u0", {"pixels": 0, "slot": (0, 100)}) and timed_out == []
+    assert batch[0] == (0, "u0", {"pixels": 0, "slot": (0, 100)})
     assert requests.reads[1:] == [("get_nowait", None)] * 3, "the window had closed: nothing is waited for"
     assert taken(state) == [0, 1, 2, 3], "the two still queued are not marked"
     assert answers.empty(), "no START message per request through the queue process"
@@ -103,7 +103,7 @@ def test_a_lone_request_does_not_wait_for_company(setup) -> None:
     loop, state, requests, transport, answers = setup
     requests.put(request(5, time.monotonic()))
     admit(state, 1)
-    batch, _ = loop.get_batch_requests(Echo(max_batch_size=8, batch_timeout=30.0), requests, transport)
+    batch = loop.gather_batch(Echo(max_batch_size=8, batch_timeout=30.0), requests)
     assert [uid for _, uid, _ in batch] == ["u5"]
     assert requests.reads == [("get", IDLE_WAIT_S)], "no other request was admitted, so none was waited for"
     assert taken(state) == [5]
@@ -114,7 +114,7 @@ def test_a_batch_waits_within_its_window_for_requests_already_admitted(setup) ->
     requests.put(request(0, time.monotonic()))
     admit(state, 2)  # the second is still being read and decoded by the front end
     threading.Timer(0.2, requests.put, args=(request(1, time.monotonic()),)).start()
-    batch, _ = loop.get_batch_requests(Echo(max_batch_size=8, batch_timeout=30.0), requests, transport)
+    batch = loop.gather_batch(Echo(max_batch_size=8, batch_timeout=30.0), requests)
     assert [uid for _, uid, _ in batch] == ["u0", "u1"]
     method, timeout = requests.reads[1]
     assert method == "get" and 0 < timeout <= 30.0
@@ -127,7 +127,7 @@ def test_a_request_whose_slot_moved_on_is_dropped_and_the_next_one_taken(setup) 
     requests.put(request(1, time.monotonic()))
     requests.put(request(2, time.monotonic()))
     admit(state, 2)
-    batch, _ = loop.get_batch_requests(Echo(max_batch_size=8, batch_timeout=0.05), requests, transport)
+    batch = loop.gather_batch(Echo(max_batch_size=8, batch_timeout=0.05), requests)
     assert [uid for _, uid, _ in batch] == ["u2"]
     assert state.taken_by(1, 101) is None and state.taken_by(1, 999) is None, "slot 1's new request is untouched"
     assert answers.empty()
@@ -146,7 +146,7 @@ def test_the_stop_sentinel_ends_the_loop(setup) -> None:
     loop, state, requests, transport, _ = setup
     requests.put(_SENTINEL_VALUE)
     with pytest.raises(_StopLoopError):
-        loop.get_batch_requests(Echo(max_batch_size=4, batch_timeout=0.01), requests, transport)
+        loop.gather_batch(Echo(max_batch_size=4, batch_timeout=0.01), requests)
 
 
 class Failing(Echo):

@@ -54,7 +54,7 @@ class GatheringLoop(BatchedLoop):
         answer to its front end. A predict that raises fails its whole batch: the front ends answer each with 500."""
         while True:
             try:
-                batch, _ = self.get_batch_requests(lit_api, request_queue, transport)
+                batch = self.gather_batch(lit_api, request_queue)
             except _StopLoopError:
                 return
             if not batch:
@@ -67,16 +67,15 @@ class GatheringLoop(BatchedLoop):
             for (queue_id, uid, _), answer in zip(batch, answers, strict=True):
                 self.put_response(transport, queue_id, uid, answer, status, LoopResponseType.REGULAR)
 
-    def get_batch_requests(
-        self, lit_api: LitAPI, request_queue: Queue, transport: MessageTransport
-    ) -> tuple[list[tuple[int, str, Any]], list]:
-        """One batch of (response queue id, uid, payload); none timed out here (deadlines are checked in predict)."""
+    def gather_batch(self, lit_api: LitAPI, request_queue: Queue) -> list[tuple[int, str, Any]]:
+        """One batch of (response queue id, uid, payload), empty when none came while idle (deadlines are checked
+        in predict, not here)."""
         first = self._take(request_queue, IDLE_WAIT_S)
         if first is None:
             if self._busy_at is not None and time.monotonic() - self._busy_at > TRIM_AFTER_IDLE_S:
                 lit_api.release_memory()  # the ImageAPI's
                 self._busy_at = None
-            return [], []
+            return []
         self._busy_at = time.monotonic()
         batch = [first]
         closes_at = first[2] + lit_api.batch_timeout  # [2]: when the front end queued it (monotonic clock)
@@ -85,7 +84,7 @@ class GatheringLoop(BatchedLoop):
             if request is None:
                 break
             batch.append(request)
-        return [(queue_id, uid, payload) for queue_id, uid, _, payload in batch], []
+        return [(queue_id, uid, payload) for queue_id, uid, _, payload in batch]
 
     def _take(self, request_queue: Queue, wait_s: float) -> tuple | None:
         """The next live request within `wait_s` (none waited for when <= 0), marked as taken by this worker."""
