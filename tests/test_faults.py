@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from serving import image_bytes, running_server, start_server, stop_server, wait_ready
+from serving import Server, image_bytes, running_server, start_server, stop_server, wait_ready
 
 from loadtests.closed_loop import run_closed_loop
 
@@ -95,7 +95,20 @@ def test_predict_running_past_the_deadline_does_not_hang_its_client(tmp_path, to
         assert server.slots_freed(timeout=15)
 
 
-def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path, toy_model) -> None:
+def ctrl_c(server: Server) -> None:
+    """What a terminal's Ctrl-C does: SIGINT to every process of the server's process group."""
+    os.killpg(server.process.pid, signal.SIGINT)
+
+
+def sigterm(server: Server) -> None:
+    """What Kubernetes (through tini) does: SIGTERM to the main process."""
+    server.process.send_signal(signal.SIGTERM)
+
+
+@pytest.mark.parametrize("stop", [sigterm, ctrl_c])
+def test_a_stop_drains_in_flight_requests_then_exits_zero(tmp_path, toy_model, stop) -> None:
+    """SIGTERM and Ctrl-C alike: every in-flight request is answered, new ones are refused, nothing is left behind.
+    (Ctrl-C reaches every child too: the workers and front ends leave it to the main process.)"""
     os.environ["TOY_DELAY_S"] = "0.7"
     server = start_server(
         {"max_batch_size": 1, "batch_timeout_ms": 0, "drain_timeout_s": 20, **toy_model("Slow")}, tmp_path
@@ -112,7 +125,7 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path, toy_model) 
                     for _ in range(4)
                 ]
                 await asyncio.sleep(0.3)
-                server.process.send_signal(signal.SIGTERM)
+                stop(server)
                 await asyncio.sleep(0.3)
                 ready = (await client.get(f"{server.url}/health/ready")).status_code
                 refused = await client.post(f"{server.url}/predict", content=image_bytes(8, 8), headers=PNG)
@@ -127,6 +140,46 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero(tmp_path, toy_model) 
         assert orphans == [], f"processes left behind: {orphans}"
         assert "Traceback" not in server.log()
         assert not server.slot_directory.exists(), "the shared-memory slots outlived the server"
+    finally:
+        stop_server(server)
+
+
+def test_a_second_ctrl_c_stops_at_once_and_cuts_off_what_is_in_flight(tmp_path, toy_model) -> None:
+    """The drain would take 16 x 0.7 s (one worker, one image at a time); a second Ctrl-C ends the server well before
+    that, and every client hears back (an answer, or its connection closed), none is left hanging."""
+    os.environ["TOY_DELAY_S"] = "0.7"
+    settings = {"max_batch_size": 1, "batch_timeout_ms": 0, "drain_timeout_s": 60, "max_queue_depth": 32}
+    server = start_server({**settings, "workers_per_device": 1, **toy_model("Slow")}, tmp_path)
+    try:
+        wait_ready(server)
+        children = server.descendants()
+
+        async def scenario() -> tuple[list[object], float]:
+            async with httpx.AsyncClient(timeout=30) as client:
+                in_flight = [
+                    asyncio.create_task(client.post(f"{server.url}/predict", content=image_bytes(8, 8), headers=PNG))
+                    for _ in range(16)
+                ]
+                await asyncio.sleep(0.3)
+                ctrl_c(server)
+                await asyncio.sleep(0.3)
+                ctrl_c(server)
+                stopped_at = time.monotonic()
+                outcomes = await asyncio.gather(*in_flight, return_exceptions=True)
+                await asyncio.to_thread(server.process.wait, 30)
+                return outcomes, time.monotonic() - stopped_at
+
+        outcomes, took_s = asyncio.run(scenario())
+        assert server.process.returncode == 0
+        assert took_s < 16 * 0.7 / 2, f"a second Ctrl-C took {took_s:.1f} s"
+        cut_off = [o for o in outcomes if not isinstance(o, httpx.Response)]
+        assert cut_off and all(isinstance(o, httpx.TransportError) for o in cut_off), outcomes
+        assert not any(isinstance(o, httpx.TimeoutException) for o in cut_off)
+        answered = [o for o in outcomes if isinstance(o, httpx.Response)]
+        assert all(o.status_code == 200 for o in answered), answered
+        assert "Traceback" not in server.log() and "stopping now, with" in server.log()
+        time.sleep(0.5)
+        assert [pid for pid in children if os.path.exists(f"/proc/{pid}") and _state(pid) != "Z"] == []
     finally:
         stop_server(server)
 

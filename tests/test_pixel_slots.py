@@ -79,7 +79,9 @@ def test_the_worker_reads_pixels_from_the_slot_and_answers_with_a_few_bytes(slot
     settings = Settings(max_batch_size=4)
     state = SharedState(workers=1, request_slots=8)
     api = ImageAPI(settings, state, worker_plan(slot_dir, batch_size=4))
-    api.setup("cpu")
+    ctrl_c = signal.getsignal(signal.SIGINT)
+    api.setup("cpu")  # as a worker, it leaves Ctrl-C to the main process: this test's process takes it back
+    signal.signal(signal.SIGINT, ctrl_c)
     images = [np.random.default_rng(i).integers(0, 256, (256, 320, 3), dtype=np.uint8) for i in range(3)]
     files, requests = SlotFiles(slot_dir), []
     for slot, image in enumerate(images):

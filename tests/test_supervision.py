@@ -76,6 +76,8 @@ class PinnedClient:
 
 def clients_on_two_front_ends(server: Server, attempts: int = 40) -> tuple[list[PinnedClient], list[PinnedClient]]:
     """Open connections until each of the two front ends holds some (the kernel picks who accepts)."""
+    # Ready is the first front end's word: the second may still be binding its answer socket.
+    wait_until(lambda: len(server.front_end_pids()) == 2, 10, "both front ends up")
     first, second = sorted(server.front_end_pids().values())
     clients: dict[int, list[PinnedClient]] = {first: [], second: []}
     for _ in range(attempts):

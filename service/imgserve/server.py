@@ -24,7 +24,6 @@ import litserve as ls
 import numpy as np
 import torch
 import uvicorn
-from litserve.server import _Server as FrontEndServer
 from litserve.utils import WorkerSetupStatus
 from starlette.routing import Route
 
@@ -48,7 +47,7 @@ from imgserve.models import outputs, shared
 from imgserve.models.loader import ModelLoadError, check_model_source, load_model
 from imgserve.models.shared import SharedWeights
 from imgserve.supervisor.children import Supervisor
-from imgserve.supervisor.lifecycle import install_drain_on_sigterm
+from imgserve.supervisor.lifecycle import FrontEndServer, install_drain_on_signals
 from imgserve.worker.api import ImageAPI, WorkerPlan
 from imgserve.worker.batching import AUTO_BATCH_CAP, BatchRunner, InMemory
 
@@ -378,7 +377,7 @@ def serve(settings: Settings) -> int:
 def run_server(server: ImageServer) -> int:
     """Serve until SIGTERM/SIGINT; 2 when a worker's setup failed (with its one-line reason)."""
     settings = server.settings
-    install_drain_on_sigterm(server)
+    install_drain_on_signals(server)
     try:
         server.run(
             host=settings.host,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -65,7 +66,9 @@ class ImageAPI(ls.LitAPI):
         self.settings, self.state, self.plan = settings, state, plan
 
     def setup(self, device: str) -> None:
-        """Load the model on `device`, warm it up, measure its memory and fix the batch limits."""
+        """Load the model on `device`, warm it up, measure its memory and fix the batch limits. Ctrl-C reaches every
+        process of the server; a worker leaves it to the main process, which drains, then stops the workers."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         settings = self.settings
         settings.configure_logging()
         plan = self.plan
