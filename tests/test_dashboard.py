@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 from types import ModuleType
 
 import pytest
@@ -94,3 +95,14 @@ def test_chart_configmap_carries_the_dashboard() -> None:
     assert len(maps) == 1
     assert maps[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(maps[0]["data"]["imgserve.json"]) == dashboard()
+
+
+def test_the_prediction_panels_count_every_inference_route() -> None:
+    """/predict, its alias, and the Open Inference Protocol's HTTP and gRPC inferences: a KServe client's traffic is
+    on the dashboard too (the same selector as the alert rules', which promtool's tests check)."""
+    from imgserve import metrics
+
+    [pattern] = re.findall(r'route=~"([^"]+)"', generator().PREDICT)
+    routes = {*metrics.INFER_ROUTES, metrics.GRPC_INFER}
+    assert {route for route in routes if re.fullmatch(pattern, route)} == routes
+    assert not re.fullmatch(pattern, metrics.V2_OTHER) and not re.fullmatch(pattern, "/health/ready")

@@ -29,8 +29,9 @@ DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 
 # Series of the selected pods; every imgserve query starts from it.
 PODS = 'namespace="$namespace",pod=~"$pod"'
-# The prediction routes (health checks and scrapes are counted too, under their own routes).
-PREDICT = 'route=~"/predict|/v1/images:predict"'
+# The prediction routes, the Open Inference Protocol's HTTP and gRPC inferences included (health checks, metadata
+# and scrapes are counted too, under their own routes).
+PREDICT = 'route=~"/predict|/v1/images:predict|/v2/infer|grpc/ModelInfer"'
 RATE = "$__rate_interval"
 
 
