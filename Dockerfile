@@ -58,7 +58,8 @@ RUN pip install --no-deps . \
 
 WORKDIR /tmp
 USER 10001:10001
-EXPOSE 8000
+# HTTP (/predict, /v2, health, metrics) and the Open Inference Protocol's gRPC service.
+EXPOSE 8000 8001
 
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:' + os.environ.get('IMGSERVE_PORT', '8000') + '/health/live', timeout=4)"]

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import yaml
+from imgserve.config import Settings
 from serving import REPO
 from tools import tool
 
@@ -139,8 +140,11 @@ def test_init_forwards_sigterm_to_the_server_only() -> None:
 
 
 def test_port_and_healthcheck() -> None:
-    """EXPOSE is the chart's containerPort; HEALTHCHECK asks /health/live on loopback."""
-    assert argument("EXPOSE") == str(chart_values()["containerPort"])
+    """EXPOSE is the chart's containerPort and grpcPort (the server's defaults); HEALTHCHECK asks /health/live on
+    loopback."""
+    values = chart_values()
+    assert argument("EXPOSE").split() == [str(values["containerPort"]), str(values["grpcPort"])]
+    assert values["grpcPort"] == Settings().grpc_port
     check = argument("HEALTHCHECK")
     assert "/health/live" in check and "http://127.0.0.1:" in check
     assert re.search(r"--start-period=\d+s", check)
