@@ -105,6 +105,16 @@ def sigterm(server: Server) -> None:
     server.process.send_signal(signal.SIGTERM)
 
 
+async def posted(client: httpx.AsyncClient, server: Server, count: int) -> list[asyncio.Task]:
+    """`count` predictions posted at once, 0.3 s after they left: in flight on a slow model."""
+    in_flight = [
+        asyncio.create_task(client.post(f"{server.url}/predict", content=image_bytes(8, 8), headers=PNG))
+        for _ in range(count)
+    ]
+    await asyncio.sleep(0.3)
+    return in_flight
+
+
 @pytest.mark.parametrize("stop", [sigterm, ctrl_c])
 def test_a_stop_drains_in_flight_requests_then_exits_zero(tmp_path, toy_model, stop) -> None:
     """SIGTERM and Ctrl-C alike: every in-flight request is answered, new ones are refused, nothing is left behind.
@@ -120,11 +130,7 @@ def test_a_stop_drains_in_flight_requests_then_exits_zero(tmp_path, toy_model, s
 
         async def scenario() -> tuple[list[int], int, int]:
             async with httpx.AsyncClient(timeout=30) as client:
-                in_flight = [
-                    asyncio.create_task(client.post(f"{server.url}/predict", content=image_bytes(8, 8), headers=PNG))
-                    for _ in range(4)
-                ]
-                await asyncio.sleep(0.3)
+                in_flight = await posted(client, server, 4)
                 stop(server)
                 await asyncio.sleep(0.3)
                 ready = (await client.get(f"{server.url}/health/ready")).status_code
@@ -156,11 +162,7 @@ def test_a_second_ctrl_c_stops_at_once_and_cuts_off_what_is_in_flight(tmp_path, 
 
         async def scenario() -> tuple[list[object], float]:
             async with httpx.AsyncClient(timeout=30) as client:
-                in_flight = [
-                    asyncio.create_task(client.post(f"{server.url}/predict", content=image_bytes(8, 8), headers=PNG))
-                    for _ in range(16)
-                ]
-                await asyncio.sleep(0.3)
+                in_flight = await posted(client, server, 16)
                 ctrl_c(server)
                 await asyncio.sleep(0.3)
                 ctrl_c(server)
