@@ -184,7 +184,9 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(30.0, gt=0, description="Default deadline of a request.")
     max_request_timeout_s: float = Field(120.0, gt=0, description="Cap on the X-Request-Timeout header.")
     retry_after_s: int = Field(1, ge=1, description="Retry-After sent with 503.")
-    drain_timeout_s: float = Field(30.0, ge=0, description="On SIGTERM, how long to finish in-flight requests.")
+    drain_timeout_s: float = Field(
+        30.0, ge=0, description="On SIGTERM or Ctrl-C, how long to finish in-flight requests."
+    )
 
     # Input limits.
     max_body_bytes: int = Field(20 * 1024 * 1024, ge=1024, description="Largest request body (413 above).")
