@@ -52,15 +52,22 @@ def test_workers_per_gpu_auto_overlaps_the_workers_cpu_work_with_the_gpus(monkey
 
 
 @pytest.mark.parametrize(
-    ("device", "cpus", "workers", "threads"),
-    [("cpu", 2, 2, 2), ("cpu", 1, 1, 1), ("cpu", 16, 4, 8), ("cpu", 3, 2, 2), ("cuda", 16, 2, 8), ("cuda", 2, 4, 1)],
+    ("device", "cpus", "workers", "alone", "busy"),
+    [
+        ("cpu", 2, 2, 2, 1),
+        ("cpu", 1, 1, 1, 1),
+        ("cpu", 16, 4, 8, 4),
+        ("cpu", 3, 2, 2, 1),
+        ("cuda", 16, 2, 8, 8),
+        ("cuda", 2, 4, 1, 1),
+    ],
 )
-def test_a_cpu_worker_gets_twice_its_share_of_the_cores_at_most_all_a_gpu_worker_its_share(
-    device: str, cpus: int, workers: int, threads: int, monkeypatch: pytest.MonkeyPatch
+def test_a_cpu_worker_alone_gets_twice_its_share_of_the_cores_at_most_all_else_its_share_as_a_gpu_worker_always(
+    device: str, cpus: int, workers: int, alone: int, busy: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(config, "usable_cpus", lambda: cpus)
-    assert Settings().torch_threads_on(device, workers) == threads
-    assert Settings(torch_threads="3").torch_threads_on(device, workers) == 3
+    assert Settings().torch_threads_on(device, workers) == (alone, busy)
+    assert Settings(torch_threads="3").torch_threads_on(device, workers) == (3, 3)  # a count the user chose holds
 
 
 def test_torch_threads_must_be_a_count_or_auto() -> None:

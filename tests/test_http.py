@@ -189,11 +189,16 @@ def test_health_info_and_metrics(server: Server) -> None:
 
 def test_cpu_workers_may_each_use_twice_their_share_of_the_cores_and_wait_passively(server: Server) -> None:
     info = httpx.get(f"{server.url}/info").json()
-    workers, threads = info["workers"], info["torch_threads_per_worker"]
+    workers, threads, busy = (
+        info["workers"],
+        info["torch_threads_per_worker"],
+        info["torch_threads_per_worker_under_load"],
+    )
     assert workers == min(usable_cpus(), MAX_CPU_WORKERS)
     assert threads == min(usable_cpus(), 2 * max(1, usable_cpus() // workers))
-    applied = re.findall(r"worker ready on cpu \((\d+) torch threads\)", server.log())
-    assert [int(t) for t in applied] == [threads] * workers
+    assert busy == max(1, usable_cpus() // workers)
+    applied = re.findall(r"worker ready on cpu \((\d+) torch threads, (\d+) while", server.log())
+    assert [(int(t), int(b)) for t, b in applied] == [(threads, busy)] * workers
     for pid in server.worker_pids():
         environment = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
         assert b"OMP_WAIT_POLICY=PASSIVE" in environment, "a worker's OpenMP threads would spin on the others' cores"

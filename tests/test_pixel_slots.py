@@ -14,7 +14,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
-from imgserve.config import Settings
+import torch
+from imgserve.config import Settings, TorchThreads
 from imgserve.errors import ApiError
 from imgserve.handoff import slots as pixel_slots
 from imgserve.handoff.answers import AnswerSockets
@@ -72,7 +73,7 @@ def test_a_new_server_removes_the_slots_of_dead_servers_only(tmp_path: Path, mon
 
 def worker_plan(slot_dir: Path, batch_size: int) -> WorkerPlan:
     """One worker alone on its device, loading its own copy of the model."""
-    return WorkerPlan(slot_dir, SharedWeights(0, reason="a test worker"), batch_size, 1, 1, 0)
+    return WorkerPlan(slot_dir, SharedWeights(0, reason="a test worker"), batch_size, TorchThreads(1, 1), 1, 0)
 
 
 def test_the_worker_reads_pixels_from_the_slot_and_answers_with_a_few_bytes(slot_dir: Path) -> None:
@@ -96,6 +97,31 @@ def test_the_worker_reads_pixels_from_the_slot_and_answers_with_a_few_bytes(slot
         assert len(pickle.dumps(request)) < SMALL_MESSAGE and len(pickle.dumps(answer)) < SMALL_MESSAGE
         output = files.read(slot, answer.shape, answer.dtype)
         assert np.abs(output.astype(int) - expected[slot].astype(int)).max() <= 1
+
+
+def test_a_cpu_worker_runs_a_lone_batch_on_all_its_threads_and_its_share_while_others_are_in_flight(
+    slot_dir: Path,
+) -> None:
+    state = SharedState(workers=2, request_slots=4)
+    plan = WorkerPlan(slot_dir, SharedWeights(0, reason="a test worker"), 1, TorchThreads(2, 1), 2, 0)
+    api = ImageAPI(Settings(max_batch_size=1), state, plan)
+    ctrl_c, threads = signal.getsignal(signal.SIGINT), torch.get_num_threads()
+    api.setup("cpu")
+    signal.signal(signal.SIGINT, ctrl_c)
+    image = np.zeros((16, 16, 3), dtype=np.uint8)
+    SlotFiles(slot_dir).write(0, image)
+    state.set_owner(0, 1)
+    request = {"slot": (0, 1), "shape": image.shape, "deadline": time.monotonic() + 30, "admitted": time.monotonic()}
+    try:
+        used = []
+        for admitted in (1, 3):  # this request alone; then two more in flight elsewhere in the pod
+            assert state.try_admit(limit=8, count=admitted)
+            api.predict([request])
+            used.append(torch.get_num_threads())
+            state.release(admitted)
+        assert used == [2, 1]
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_a_result_is_not_written_into_a_slot_that_moved_on(slot_dir: Path) -> None:

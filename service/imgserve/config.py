@@ -7,7 +7,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -63,6 +63,14 @@ def gpu_workers_for(cpu_s: float, device_s: float) -> int:
 def _without_traceback(record: logging.LogRecord) -> bool:
     record.exc_info = record.exc_text = None
     return True
+
+
+class TorchThreads(NamedTuple):
+    """An inference worker's torch threads: for a batch that is all the pod has admitted, and while other requests
+    are in flight."""
+
+    alone: int
+    busy: int
 
 
 class Settings(BaseSettings):
@@ -143,8 +151,8 @@ class Settings(BaseSettings):
     torch_threads: int | Literal["auto"] = Field(
         "auto",
         description="Torch threads per inference worker; auto = on a CPU twice the worker's share of the cores (at "
-        "most all of them: a lone request uses every core, and OpenMP waits passively so that busy workers take "
-        "turns); on a GPU its share.",
+        "most all of them) for a batch that is all the pod has admitted, so a lone request uses every core, and its "
+        "share while other requests are in flight; on a GPU its share.",
     )
     share_weights: bool = Field(
         True,
@@ -235,17 +243,18 @@ class Settings(BaseSettings):
         if self.log_level != "debug":  # a worker's failed setup: one line; `imgserve serve` ends with the reason
             logging.getLogger("litserve.loops.loops").addFilter(_without_traceback)
 
-    def torch_threads_on(self, device_type: str, workers: int) -> int:
-        """Torch threads per inference worker. On a GPU, the worker's share of the cores. On a CPU, twice its share,
-        at most every core: a lone request runs on every core while the other workers wait, and under load the
-        workers' threads take turns (OpenMP waits passively, `passive_openmp`) instead of spinning on each other's
-        cores. Measured on 2 cores (docs/benchmarks.md): the built-in model's lone 128x128 request in 10-12.6 ms
-        instead of 13.9-14.6, the same throughput at 64 users."""
+    def torch_threads_on(self, device_type: str, workers: int) -> TorchThreads:
+        """Torch threads per inference worker. On a GPU, the worker's share of the cores. On a CPU, twice its share
+        (at most every core) for a batch that is all the pod has admitted: a lone request runs on every core while
+        the other workers wait (OpenMP waits passively, `passive_openmp`). While other requests are in flight, its
+        share: the workers' threads would otherwise take turns on the same cores. Measured on 2 cores
+        (docs/benchmarks.md): the built-in model's lone 128x128 request in 10-12.6 ms instead of 13.9-14.6 with one
+        thread; at 64 users, +10% images/s with one thread each instead of two."""
         if self.torch_threads != "auto":
-            return self.torch_threads
+            return TorchThreads(self.torch_threads, self.torch_threads)
         cpus = usable_cpus()
         share = max(1, cpus // workers)
-        return share if device_type == "cuda" else min(cpus, 2 * share)
+        return TorchThreads(share, share) if device_type == "cuda" else TorchThreads(min(cpus, 2 * share), share)
 
     def workers_on(self, device_type: str, gpu_workers: int = 1) -> int:
         """Workers per device: on a CPU one per core (under load several narrow workers beat one wide one); on a GPU
