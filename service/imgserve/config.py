@@ -249,7 +249,7 @@ class Settings(BaseSettings):
         the other workers wait (OpenMP waits passively, `passive_openmp`). While other requests are in flight, its
         share: the workers' threads would otherwise take turns on the same cores. Measured on 2 cores
         (docs/benchmarks.md): the built-in model's lone 128x128 request in 10-12.6 ms instead of 13.9-14.6 with one
-        thread; at 64 users, +10% images/s with one thread each instead of two."""
+        thread; at 64 users, 4-12% more images/s with one thread each than with two."""
         if self.torch_threads != "auto":
             return TorchThreads(self.torch_threads, self.torch_threads)
         cpus = usable_cpus()
