@@ -31,14 +31,16 @@ WHITE = _white_png()
 def test_flood_sheds_with_503_and_answers_everything(tmp_path) -> None:
     """Ten times more users than the queue holds: every request is a 200 or an explicit 503, none hang or error."""
     with running_server(tmp_path, max_batch_size=4, max_queue_depth=8, batch_timeout_ms=5) as server:
-        at_capacity = run_closed_loop(f"{server.url}/predict", users=8, seconds=3)
-        flood = run_closed_loop(f"{server.url}/predict", users=80, seconds=4)
+        at_capacity = run_closed_loop(f"{server.url}/predict", users=8, seconds=3, warmup_s=1)
+        flood = run_closed_loop(f"{server.url}/predict", users=80, seconds=4, warmup_s=1)
         assert flood.failed == 0, flood.errors()
         assert {o.status for o in flood.outcomes} == {200, 503}
         assert len(flood.outcomes) == len(flood.answered) + flood.shed
         assert server.metric("imgserve_rejected_total", reason="queue_full") >= flood.shed
-        # The queue bound holds latency: the flood's accepted p99 stays near the p99 at capacity.
-        assert flood.latency_ms(0.99) < 2 * at_capacity.latency_ms(0.99)
+        # The queue bound holds latency: the flood's accepted p99 stays near the p99 at capacity (0.7-1.05x here),
+        # where queueing all 80 users would make it ~10x. 3x leaves room for a stall of a shared CI machine (one
+        # run read 3.6x with no warm-up, while the same check read 0.70-1.05x six times in a row).
+        assert flood.latency_ms(0.99) < 3 * at_capacity.latency_ms(0.99)
         assert server.metric("imgserve_queue_depth") == 0
 
 
