@@ -106,7 +106,8 @@ class Routes:
             return error.response()
 
     def not_ready_reason(self) -> str | None:
-        """Why the model cannot take requests now (draining, a worker restarting, loading), or None when ready."""
+        """Why the model cannot take requests now (draining, a worker restarting, loading, the gRPC service not yet
+        listening), or None when ready."""
         if self.state.draining:
             return "draining"
         if not self.state.all_workers_alive:
@@ -114,6 +115,8 @@ class Routes:
         status = self.setup_status()
         if not status or any(value != WorkerSetupStatus.READY for value in status.values()):
             return "model loading"
+        if self.settings.grpc_port and not self.state.grpc_serving:  # the first front end has not started it yet
+            return "gRPC starting"
         return None
 
     async def ready(self, request: Request) -> JSONResponse:

@@ -18,6 +18,7 @@ class SharedState:
         self._admitted = _ctx.Array("i", front_ends)
         self._front_end = 0  # which front end this process is (set after the fork, in that process)
         self._draining = _ctx.Value("b", 0)
+        self._grpc_serving = _ctx.Value("b", 0)  # the first front end's gRPC server listens (--grpc-port)
         self._queue_lost = _ctx.Value("b", 0)
         self._exit_code = _ctx.Value("i", 0)
         self._batch_size = _ctx.Value("i", 0)
@@ -64,6 +65,14 @@ class SharedState:
     @property
     def draining(self) -> bool:
         return bool(self._draining.value)
+
+    @property
+    def grpc_serving(self) -> bool:
+        return bool(self._grpc_serving.value)
+
+    @grpc_serving.setter
+    def grpc_serving(self, serving: bool) -> None:
+        self._grpc_serving.value = int(serving)
 
     def start_draining(self, exit_code: int = 0) -> None:
         self._exit_code.value = max(self._exit_code.value, exit_code)
