@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import psutil
+from imgserve.handoff.state import SharedState
 from serving import (
     Server,
     image_bytes,
@@ -225,3 +226,15 @@ def test_ctrl_c_stops_every_child_without_taking_them_for_dead(tmp_path) -> None
         assert_all_gone(children)
     finally:
         stop_server(server)
+
+
+def test_a_dead_front_end_takes_its_grpc_service_with_it() -> None:
+    """Ready waits for gRPC (--grpc-port): a front end killed while serving it leaves the pod not ready until its
+    replacement listens again, and another front end's death does not touch it."""
+    state = SharedState(workers=1, request_slots=2, front_ends=2)
+    state.serve_as(0)
+    state.serve_grpc(True)
+    state.forget_front_end(1)
+    assert state.grpc_serving
+    state.forget_front_end(0)
+    assert not state.grpc_serving

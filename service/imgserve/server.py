@@ -238,11 +238,11 @@ class ImageServer(ls.LitServer):
             yield
             return
         grpc_server = await grpc_service.start(self.grpc_servicer, self.settings)
-        self.state.grpc_serving = True  # ready waits for it: another front end may answer /health/ready first
+        self.state.serve_grpc(True)  # ready waits for it: another front end may answer /health/ready first
         try:
             yield
         finally:
-            self.state.grpc_serving = False
+            self.state.serve_grpc(False)
             await grpc_server.stop(grpc_service.GRACE_S)
 
     def restart_worker(self, index: int) -> BaseProcess:

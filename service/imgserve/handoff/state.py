@@ -18,7 +18,7 @@ class SharedState:
         self._admitted = _ctx.Array("i", front_ends)
         self._front_end = 0  # which front end this process is (set after the fork, in that process)
         self._draining = _ctx.Value("b", 0)
-        self._grpc_serving = _ctx.Value("b", 0)  # the first front end's gRPC server listens (--grpc-port)
+        self._grpc_front_end = _ctx.Value("i", -1)  # the front end whose gRPC server listens (--grpc-port); -1: none
         self._queue_lost = _ctx.Value("b", 0)
         self._exit_code = _ctx.Value("i", 0)
         self._batch_size = _ctx.Value("i", 0)
@@ -53,9 +53,12 @@ class SharedState:
             self._admitted[self._front_end] -= count
 
     def forget_front_end(self, front_end: int) -> None:
-        """A front end died: its admitted requests died with their connections and will never be released."""
+        """A front end died: its admitted requests died with their connections and will never be released, and
+        its gRPC server (if it ran one) with it."""
         with self._admitted.get_lock():
             self._admitted[front_end] = 0
+        if self._grpc_front_end.value == front_end:
+            self._grpc_front_end.value = -1
 
     @property
     def queue_depth(self) -> int:
@@ -68,11 +71,11 @@ class SharedState:
 
     @property
     def grpc_serving(self) -> bool:
-        return bool(self._grpc_serving.value)
+        return self._grpc_front_end.value >= 0
 
-    @grpc_serving.setter
-    def grpc_serving(self, serving: bool) -> None:
-        self._grpc_serving.value = int(serving)
+    def serve_grpc(self, serving: bool) -> None:
+        """In a front-end process: its gRPC server now listens (True), or has stopped (False)."""
+        self._grpc_front_end.value = self._front_end if serving else -1
 
     def start_draining(self, exit_code: int = 0) -> None:
         self._exit_code.value = max(self._exit_code.value, exit_code)
