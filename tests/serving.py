@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from imgserve.handoff.slots import server_directory
+from imgserve.handoff.directory import LOCK, SHM_ROOT
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.servers import RunningServer, free_port, imgserve_command, stop
@@ -62,8 +62,18 @@ class Server(RunningServer):
 
     @property
     def slot_directory(self) -> Path:
-        """Where this server's request slots live in /dev/shm."""
-        return server_directory(self.process.pid)
+        """Where this server's request slots live in /dev/shm: in the private directory whose lock its main process
+        holds open (the name is random)."""
+        return self.private_directory / "slots"
+
+    @property
+    def private_directory(self) -> Path:
+        """The server's private directory (handoff/directory.py), found through its main process's open files."""
+        for opened in psutil.Process(self.process.pid).open_files():
+            path = Path(opened.path)
+            if path.name == LOCK and path.parent.parent == SHM_ROOT:
+                return path.parent
+        raise AssertionError(f"the server (pid {self.process.pid}) holds no lock file in {SHM_ROOT}")
 
     def descendants(self) -> set[int]:
         """PIDs of every process below the server's main process."""
@@ -71,7 +81,7 @@ class Server(RunningServer):
 
     def front_end_pids(self) -> dict[int, int]:
         """HTTP front ends by index, each found by the answer socket it binds once it is up (handoff/answers.py)."""
-        return {int(path.rpartition("-")[2]): pid for pid, path in self._unix_sockets() if "-answers-" in path}
+        return {int(path.rpartition("-")[2]): pid for pid, path in self._unix_sockets() if "/answers-" in path}
 
     def queue_pid(self) -> int:
         """LitServe's queue process (its multiprocessing Manager): the child listening on a `listener-` socket."""

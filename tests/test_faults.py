@@ -127,7 +127,7 @@ def test_a_stop_drains_in_flight_requests_then_exits_zero(tmp_path, toy_model, s
     )
     try:
         wait_ready(server)
-        children = server.descendants()
+        children, slots = server.descendants(), server.slot_directory
         assert children
 
         async def scenario() -> tuple[list[int], int, int]:
@@ -147,7 +147,7 @@ def test_a_stop_drains_in_flight_requests_then_exits_zero(tmp_path, toy_model, s
         orphans = [pid for pid in children if os.path.exists(f"/proc/{pid}") and _state(pid) != "Z"]
         assert orphans == [], f"processes left behind: {orphans}"
         assert "Traceback" not in server.log()
-        assert not server.slot_directory.exists(), "the shared-memory slots outlived the server"
+        assert not slots.exists(), "the shared-memory slots outlived the server"
     finally:
         stop_server(server)
 

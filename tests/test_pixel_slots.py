@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import os
-import pickle
 import signal
+import stat
 import time
 from pathlib import Path
 
@@ -18,7 +17,9 @@ import torch
 from imgserve.config import Settings, TorchThreads
 from imgserve.errors import ApiError
 from imgserve.handoff import slots as pixel_slots
+from imgserve.handoff import wire
 from imgserve.handoff.answers import AnswerSockets
+from imgserve.handoff.directory import LOCK, PREFIX, ServerDirectory
 from imgserve.handoff.dispatch import WORKER_CHECK_S, Dispatcher
 from imgserve.handoff.requests import RequestSocket
 from imgserve.handoff.slots import InSlot, SlotFiles
@@ -27,7 +28,7 @@ from imgserve.models.denoiser import build_denoiser
 from imgserve.models.shared import SharedWeights
 from imgserve.worker.api import ImageAPI, WorkerPlan
 from imgserve.worker.batching import BatchRunner, InMemory
-from litserve.utils import LitAPIStatus
+from litserve.utils import LitAPIStatus, LoopResponseType
 from serving import image_bytes, start_server, stop_server, wait_ready
 
 from loadtests.closed_loop import run_closed_loop
@@ -58,17 +59,31 @@ def test_a_slot_round_trips_arrays_and_gives_big_ones_memory_back(slot_dir: Path
     files.close()
 
 
-def test_a_new_server_removes_the_slots_of_dead_servers_only(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(pixel_slots, "SHM_ROOT", tmp_path)
-    dead = mp.get_context("spawn").Process(target=time.sleep, args=(0,))
-    dead.start()
-    dead.join()
-    (tmp_path / f"imgserve-{dead.pid}").mkdir()
-    (tmp_path / f"imgserve-{os.getppid()}").mkdir()  # a live process's
-    mine = pixel_slots.create_directory(os.getpid())
-    assert mine.is_dir()
-    assert not (tmp_path / f"imgserve-{dead.pid}").exists()
-    assert (tmp_path / f"imgserve-{os.getppid()}").exists()
+def test_a_new_server_removes_the_directories_of_dead_servers_only(tmp_path: Path) -> None:
+    """Stale: ours and unlocked. Kept: a live server's (locked), one being made (no lock yet, young), another user's
+    or a symlink (never followed). A file planted where a lock would be cannot stop the start."""
+    dead = ServerDirectory.create(tmp_path)
+    (dead.slots / "0").write_bytes(b"pixels")
+    os.close(dead._lock_fd)  # the server was killed: nobody holds its lock now
+    live = ServerDirectory.create(tmp_path)  # removes `dead`
+    assert not dead.root.exists() and live.root.is_dir()
+    being_made = tmp_path / f"{PREFIX}being-made"
+    being_made.mkdir()
+    target = tmp_path / "someone-elses"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    (tmp_path / f"{PREFIX}symlink").symlink_to(target)
+    planted = tmp_path / f"{PREFIX}planted"
+    planted.mkdir()
+    (planted / LOCK).symlink_to(target / "keep")
+    os.utime(planted, (0, 0))  # old: its lock is tried, through no symlink
+    third = ServerDirectory.create(tmp_path)
+    assert live.root.is_dir() and (live.root / LOCK).exists(), "a live server's directory was removed"
+    assert being_made.is_dir() and (target / "keep").read_text() == "x"
+    assert third.root.is_dir() and stat.S_IMODE(third.root.stat().st_mode) == 0o700
+    for directory in (live, third):
+        directory.remove()
+    assert not live.root.exists() and not third.root.exists()
 
 
 def worker_plan(slot_dir: Path, batch_size: int) -> WorkerPlan:
@@ -94,7 +109,8 @@ def test_the_worker_reads_pixels_from_the_slot_and_answers_with_a_few_bytes(slot
     expected = BatchRunner(build_denoiser(), api.runner.device, channels_last=True)([InMemory(i) for i in images])
     for slot, (request, answer) in enumerate(zip(requests, answers, strict=True)):
         assert isinstance(answer, InSlot) and answer.shape == images[slot].shape
-        assert len(pickle.dumps(request)) < SMALL_MESSAGE and len(pickle.dumps(answer)) < SMALL_MESSAGE
+        packed_answer = wire.pack_answer(("uid", (answer, LitAPIStatus.OK, LoopResponseType.REGULAR, 0)))
+        assert len(wire.pack_request((0, "uid", 1.0, request))) < SMALL_MESSAGE and len(packed_answer) < SMALL_MESSAGE
         output = files.read(slot, answer.shape, answer.dtype)
         assert np.abs(output.astype(int) - expected[slot].astype(int)).max() <= 1
 
@@ -136,8 +152,7 @@ def test_a_result_is_not_written_into_a_slot_that_moved_on(slot_dir: Path) -> No
 def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its_answer(slot_dir: Path) -> None:
     """Plays the worker by hand on the real request and answer sockets."""
     state = SharedState(workers=1, request_slots=4)
-    name = f"imgserve-test-{os.getpid()}"
-    requests, answers = RequestSocket(name), AnswerSockets(name, 1)
+    requests, answers = RequestSocket(slot_dir.parent), AnswerSockets(slot_dir.parent, 1)
     dispatcher = Dispatcher(state, slot_dir, slots_per_front_end=2, retry_after_s=1)
     image = np.random.default_rng(1).integers(0, 256, (512, 512, 3), dtype=np.uint8)
 
@@ -154,13 +169,13 @@ def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its
         files = SlotFiles(slot_dir)
         pixels = files.read(index, payload["shape"])
         files.write(index, 255 - pixels)
-        answers.send((uid, (InSlot(pixels.shape, "|u1"), LitAPIStatus.OK, None, 0)), 0)
+        answers.send((uid, (InSlot(pixels.shape, "|u1"), LitAPIStatus.OK, LoopResponseType.REGULAR, 0)), 0)
 
     async def scenario() -> None:
         dispatcher.start(0, requests, answers.receiver(0))
         task = asyncio.create_task(handler(timeout=30))
         message = await asyncio.to_thread(requests.get, timeout=5)
-        assert len(pickle.dumps(message)) < SMALL_MESSAGE, "pixels went through the queue"
+        assert len(wire.pack_request(message)) < SMALL_MESSAGE, "pixels went through the queue"
         await asyncio.to_thread(work, message)
         assert (await task == 255 - image).all()
         assert state.queue_depth == 0 and len(dispatcher._free) == 2
@@ -229,8 +244,9 @@ def test_after_a_flood_a_kill_and_a_sigterm_shared_memory_and_rss_are_back_at_ba
         held = {path.name: path.stat().st_blocks * 512 for path in server.slot_directory.iterdir()}
         assert server.metric("imgserve_shared_memory_bytes") == 0, f"slot files still holding memory: {held}"
         assert server.tree_pss() < baseline * 1.3, (baseline, server.tree_pss())
+        private = server.private_directory
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=30) == 0
-        assert not server.slot_directory.exists(), "the server left shared memory behind"
+        assert not private.exists(), "the server left shared memory behind"
     finally:
         stop_server(server)

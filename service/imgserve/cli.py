@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
+import stat
 import sys
-import tempfile
+from pathlib import Path
 
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
 from imgserve.config import Settings
+from imgserve.handoff.directory import ServerDirectory
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
@@ -39,14 +40,25 @@ def settings_problem(error: ValidationError | SettingsError) -> str:
     return "invalid settings: " + "; ".join(problems)
 
 
-def _fresh_metrics_dir() -> None:
-    """prometheus_client multiprocess mode: one directory per server, wiped at start, set before any import."""
-    path = os.environ.get("PROMETHEUS_MULTIPROC_DIR") or os.path.join(
-        tempfile.gettempdir(), f"imgserve-metrics-{os.getpid()}"
-    )
-    shutil.rmtree(path, ignore_errors=True)
-    os.makedirs(path)
-    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+def _use_metrics_directory(own: Path) -> str | None:
+    """Set prometheus_client's multiprocess directory before any import of it: the server's own, or the operator's
+    PROMETHEUS_MULTIPROC_DIR (a directory of this user's that no other can write; its old files are removed).
+    Returns what is wrong with the operator's, if anything."""
+    given = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    path = Path(given) if given else own
+    if given:
+        problem = f"PROMETHEUS_MULTIPROC_DIR={given} is not a directory of this user's that only it can write"
+        try:
+            path.mkdir(mode=0o700, parents=True, exist_ok=True)
+            facts = path.lstat()
+            if not stat.S_ISDIR(facts.st_mode) or facts.st_uid != os.getuid() or facts.st_mode & 0o022:
+                return problem
+            for old in path.glob("*.db"):
+                old.unlink()
+        except OSError as exc:
+            return f"{problem} ({exc})"
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(path)
+    return None
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -56,10 +68,21 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValidationError, SettingsError) as error:
         print(f"imgserve: {settings_problem(error)}", file=sys.stderr)
         return 2
-    _fresh_metrics_dir()
-    from imgserve.server import serve
+    try:
+        directory = ServerDirectory.create()
+    except OSError as exc:
+        print(f"imgserve: cannot make the server's private directory: {exc}", file=sys.stderr)
+        return 2
+    try:
+        problem = _use_metrics_directory(directory.metrics)
+        if problem:
+            print(f"imgserve: {problem}", file=sys.stderr)
+            return 2
+        from imgserve.server import serve
 
-    return serve(settings)
+        return serve(settings, directory)
+    finally:
+        directory.remove()
 
 
 def main(argv: list[str] | None = None) -> int:

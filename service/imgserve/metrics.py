@@ -1,6 +1,6 @@
 """Prometheus metrics of the contract, correct across processes (prometheus_client multiprocess mode).
 
-`PROMETHEUS_MULTIPROC_DIR` must be set before this module is imported; `imgserve.server` does that.
+`PROMETHEUS_MULTIPROC_DIR` must be set before this module is imported; the `imgserve serve` command does that.
 Live numbers that belong to the pod rather than a process (queue depth, GPU, model info) are read at scrape time.
 """
 

@@ -10,11 +10,9 @@ import copy
 import gc
 import logging
 import multiprocessing as mp
-import os
 import socket
 import sys
 import threading
-import uuid
 from collections.abc import AsyncIterator
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -39,9 +37,9 @@ from imgserve.frontend.v2 import grpc_service
 from imgserve.frontend.v2.http import V2Routes
 from imgserve.frontend.v2.model import ServedModel
 from imgserve.handoff.answers import AnswerSockets
+from imgserve.handoff.directory import ServerDirectory
 from imgserve.handoff.dispatch import Dispatcher
 from imgserve.handoff.requests import RequestSocket
-from imgserve.handoff.slots import create_directory, remove_directory
 from imgserve.handoff.state import SharedState
 from imgserve.models import outputs, shared
 from imgserve.models.loader import ModelLoadError, check_model_source, load_model
@@ -105,11 +103,12 @@ def choose_gpu_workers(settings: Settings, weights: SharedWeights, device_type: 
 class ImageServer(ls.LitServer):
     """LitServer with imgserve's own predict/health/info/metrics routes and admission in front."""
 
-    def __init__(self, settings: Settings, slot_directory: Path, weights_directory: Path) -> None:
-        self.settings, self.slot_directory = settings, slot_directory
+    def __init__(self, settings: Settings, directory: ServerDirectory) -> None:
+        self.settings, self.directory = settings, directory
+        slot_directory = directory.slots
         self.accelerator = resolve_device(settings.device)
         devices = torch.cuda.device_count() if self.accelerator == "cuda" else 1
-        self.weights = load_weights(settings, self.accelerator, devices, weights_directory)
+        self.weights = load_weights(settings, self.accelerator, devices, directory.weights)
         gpu_workers, self.workers_reason = 1, "set by --workers-per-device"
         if settings.workers_per_device == "auto":
             gpu_workers, self.workers_reason = choose_gpu_workers(settings, self.weights, self.accelerator)
@@ -124,7 +123,7 @@ class ImageServer(ls.LitServer):
         self.state = SharedState(
             self.worker_count, request_slots=slots_per_front_end * self.front_ends, front_ends=self.front_ends
         )
-        self.dispatcher = Dispatcher(self.state, self.slot_directory, slots_per_front_end, settings.retry_after_s)
+        self.dispatcher = Dispatcher(self.state, slot_directory, slots_per_front_end, settings.retry_after_s)
         self.torch_threads = settings.torch_threads_on(self.accelerator, self.worker_count)
         if self.accelerator != "cuda":
             passive_openmp()
@@ -215,10 +214,8 @@ class ImageServer(ls.LitServer):
         gc.collect()
         gc.freeze()
         manager = super()._init_manager(num_api_servers)
-        # Abstract socket names are per network namespace, and pids repeat across containers on the host network.
-        name = f"imgserve-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.litapi_request_queues[self.lit_api.api_path] = RequestSocket(name)
-        self._transport = AnswerSockets(name, num_api_servers)
+        self.litapi_request_queues[self.lit_api.api_path] = RequestSocket(self.directory.root)
+        self._transport = AnswerSockets(self.directory.root, num_api_servers)
         self.queue_process = manager._process
         # run() blocks on this until it is stopped (by SIGINT): a Manager event would raise EOFError the moment the
         # queue process died, before the supervisor could answer anything.
@@ -346,8 +343,9 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def serve(settings: Settings) -> int:
-    """Run until SIGTERM/SIGINT; the exit code is 0 after a clean drain, 1 if workers kept dying."""
+def serve(settings: Settings, directory: ServerDirectory) -> int:
+    """Run until SIGTERM/SIGINT in the server's private `directory` (its caller removes it); the exit code is 0 after
+    a clean drain, 1 if workers kept dying."""
     settings.configure_logging()
     try:
         check_model_source(settings.model, settings.model_factory)
@@ -365,16 +363,11 @@ def serve(settings: Settings) -> int:
             "imgserve: --grpc-port %d is already in use on %s (0 turns gRPC off)", settings.grpc_port, settings.host
         )
         return 2
-    slot_directory = create_directory(os.getpid())
-    weights_directory = create_directory(os.getpid(), "weights")
     try:
-        return run_server(ImageServer(settings, slot_directory, weights_directory))
+        return run_server(ImageServer(settings, directory))
     except ModelLoadError as exc:
         log.error("imgserve: %s", exc)
         return 2
-    finally:  # LitServe has stopped the workers: nothing maps the weights any more
-        remove_directory(slot_directory)
-        remove_directory(weights_directory)
 
 
 def run_server(server: ImageServer) -> int:

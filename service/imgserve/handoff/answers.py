@@ -5,18 +5,20 @@ process for the worker, another for the front end, and the queue process's CPU f
 spent 45% of their time in that `put`). A datagram is sent without waiting for anyone, and is delivered whole or not
 at all: a worker killed while sending cannot corrupt what the others send, and there is no shared lock for it to die
 holding. This plugs in at LitServe's own seam, its `MessageTransport`: the workers' loop calls `send` as it would
-on LitServe's transport. Requests travel the same way (handoff/requests.py).
+on LitServe's transport. Answers are msgpack (`wire`); each front end's socket is a file in the server's private
+directory, so only the server's user can send to it. Requests travel the same way (handoff/requests.py).
 """
 
 from __future__ import annotations
 
 import logging
-import pickle
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from imgserve.errors import ApiError
+from imgserve.handoff import wire
 from litserve.transport.base import MessageTransport
 from litserve.utils import LitAPIStatus
 
@@ -31,9 +33,7 @@ class FrontEndAnswers:
     """The receiving end, bound in a front-end process and read by its event loop when the selector says so."""
 
     def __init__(self, address: str) -> None:
-        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER_BYTES)
-        self._socket.bind(address)
+        self._socket = wire.bound_socket(address, BUFFER_BYTES)
         self._socket.setblocking(False)
 
     def fileno(self) -> int:
@@ -41,20 +41,23 @@ class FrontEndAnswers:
 
     def receive_ready(self, most: int = READ_AT_ONCE) -> Iterator[Any]:
         """The answers that have arrived (up to `most`), as the workers' loop sent them; None when the server shuts
-        down. Nothing when none is there."""
+        down. Nothing when none is there; a datagram that is not an answer is dropped."""
         for _ in range(most):
             try:
                 data = self._socket.recv(MAX_ANSWER_BYTES)
             except (BlockingIOError, InterruptedError):
                 return
-            yield pickle.loads(data)
+            try:
+                yield wire.unpack_answer(data)
+            except wire.WireError as exc:
+                log.warning("dropped a datagram on the answer socket that is not an answer (%s)", exc)
 
 
 class AnswerSockets(MessageTransport):
-    """Where the workers send each front end's answers: an abstract-namespace socket per front end (no file)."""
+    """Where the workers send each front end's answers: a socket per front end in the server's private directory."""
 
-    def __init__(self, name: str, front_ends: int) -> None:
-        self.addresses = [f"\0{name}-answers-{index}" for index in range(front_ends)]
+    def __init__(self, directory: Path, front_ends: int) -> None:
+        self.addresses = [str(directory / f"answers-{index}") for index in range(front_ends)]
         self._sender: socket.socket | None = None  # one per process, made on first use
 
     def __getstate__(self) -> dict[str, Any]:
@@ -66,11 +69,15 @@ class AnswerSockets(MessageTransport):
 
     def send(self, item: Any, consumer_id: int) -> None:
         """Send one answer (uid, (output, status, kind, worker)) to its front end, without waiting for it."""
-        data = pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL)
-        if len(data) > MAX_ANSWER_BYTES:
-            uid, (_, _, kind, worker) = item
+        try:
+            data, error = wire.pack_answer(item), None
+        except TypeError as exc:  # a value the wire does not carry (wire.pack_answer says which)
+            error = ApiError(500, "bad_model_output", str(exc))
+        if error is None and len(data) > MAX_ANSWER_BYTES:
             error = ApiError(500, "answer_too_large", f"the model's answer is {len(data)} bytes")
-            data = pickle.dumps((uid, (error, LitAPIStatus.OK, kind, worker)), protocol=pickle.HIGHEST_PROTOCOL)
+        if error is not None:
+            uid, (_, _, kind, worker) = item
+            data = wire.pack_answer((uid, (error, LitAPIStatus.OK, kind, worker)))
         try:
             self._socket().sendto(data, self.addresses[consumer_id])
         except OSError as exc:  # the front end is gone (shutdown) or read nothing for SEND_TIMEOUT_S

@@ -7,16 +7,22 @@ its own inherited copy of it: the kernel hands each request, whole, to exactly o
 killed worker could die holding (a `multiprocessing.Queue` would leave its reader lock taken), and a request a
 killed worker had received but not yet marked taken is queued again by its front end (`dispatch`). It plugs in
 where LitServe keeps the queue (`litapi_request_queues`), with the methods its loops call: `put`, `get`,
-`get_nowait`. Only the small message travels (slot, shape, deadline); the pixels are in the request's slot.
+`get_nowait`. Only the small message travels (slot, shape, deadline), as msgpack (`wire`); the pixels are in the
+request's slot. The socket is a file in the server's private directory, so only the server's user can send to it.
 """
 
 from __future__ import annotations
 
-import pickle
+import logging
 import socket
+import time
+from pathlib import Path
 from queue import Empty
 from typing import Any
 
+from imgserve.handoff import wire
+
+log = logging.getLogger(__name__)
 BUFFER_BYTES = 1024 * 1024  # asked of the kernel (capped by net.core.rmem_max); the datagram count has its own cap
 MAX_REQUEST_BYTES = 16 * 1024  # a request message is about 300 bytes
 FOREVER_S = 24 * 3600.0
@@ -26,11 +32,9 @@ class RequestSocket:
     """The workers' shared request queue. Bound in the main process; a spawned worker inherits the receiving
     socket (multiprocessing passes its descriptor), a forked front end sends from a socket of its own."""
 
-    def __init__(self, name: str) -> None:
-        self.address = f"\0{name}-requests"  # abstract namespace: no file to clean up
-        self._receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._receiver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, BUFFER_BYTES)
-        self._receiver.bind(self.address)
+    def __init__(self, directory: Path) -> None:
+        self.address = str(directory / "requests")
+        self._receiver = wire.bound_socket(self.address, BUFFER_BYTES)
         self._sender: socket.socket | None = None  # one per process, made on first use
         self._nowait_sender: socket.socket | None = None  # the same, never blocking (for an event loop)
 
@@ -41,7 +45,7 @@ class RequestSocket:
         """Queue one request; blocks while every worker is busy and the socket's queue is full."""
         if self._sender is None:
             self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sender.sendto(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), self.address)
+        self._sender.sendto(wire.pack_request(message), self.address)
 
     def put_nowait(self, message: Any) -> bool:
         """Queue one request if the socket's queue has room now; False (nothing sent) when it is full."""
@@ -49,7 +53,7 @@ class RequestSocket:
             self._nowait_sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._nowait_sender.setblocking(False)
         try:
-            self._nowait_sender.sendto(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL), self.address)
+            self._nowait_sender.sendto(wire.pack_request(message), self.address)
         except (BlockingIOError, InterruptedError):
             return False
         return True
@@ -58,13 +62,19 @@ class RequestSocket:
         """The next request, as `queue.Queue.get`: raises `queue.Empty` when none comes within `timeout`.
 
         The socket is always in timeout mode (non-blocking underneath, which every worker's copy shares): a worker
-        woken for a datagram another worker took first goes back to waiting instead of blocking in `recv`."""
-        wait = FOREVER_S if timeout is None else timeout
-        self._receiver.settimeout(max(wait, 0.0) if block else 0.0)
-        try:
-            return pickle.loads(self._receiver.recv(MAX_REQUEST_BYTES))
-        except (TimeoutError, BlockingIOError):
-            raise Empty from None
+        woken for a datagram another worker took first goes back to waiting instead of blocking in `recv`. A datagram
+        that is not a request is dropped."""
+        until = time.monotonic() + (FOREVER_S if timeout is None else timeout)
+        while True:
+            self._receiver.settimeout(max(until - time.monotonic(), 0.0) if block else 0.0)
+            try:
+                data = self._receiver.recv(MAX_REQUEST_BYTES)
+            except (TimeoutError, BlockingIOError):
+                raise Empty from None
+            try:
+                return wire.unpack_request(data)
+            except wire.WireError as exc:
+                log.warning("dropped a datagram on the request socket that is not a request (%s)", exc)
 
     def get_nowait(self) -> Any:
         return self.get(block=False)

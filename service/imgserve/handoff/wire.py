@@ -1,0 +1,160 @@
+"""The messages between the server's processes, as msgpack: data, never code; and the sockets that carry them.
+
+A request (front end -> workers) and an answer (worker -> front end) are small msgpack arrays. The values a batch
+answers with travel as msgpack extension types: an `ApiError`, an `InSlot` (the result lies in the request's slot),
+a numeric array (dtype, shape, raw bytes). Decoding checks every field's type and bound, and anything else is a
+`WireError`: a datagram the receiver drops with a warning, whoever sent it. Nothing is unpickled. The sockets are
+files in the server's private directory (0700), so no other user can reach them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import socket
+from typing import Any
+
+import msgpack
+import numpy as np
+from imgserve.errors import ApiError
+from imgserve.handoff.slots import InSlot
+from litserve.utils import LoopResponseType
+
+ERROR, IN_SLOT, ARRAY = 1, 2, 3  # the extension type codes
+ARRAY_KINDS = "biuf"  # booleans, integers, floats: nothing that holds Python objects
+MAX_DIMENSIONS = 8
+
+
+class WireError(ValueError):
+    """A message that is not one the server's own processes send."""
+
+
+def bound_socket(address: str, receive_buffer: int) -> socket.socket:
+    """A datagram socket bound at `address` (a path in the server's own directory, where a dead predecessor's socket
+    file may still lie)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(address)
+    receiver = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    receiver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    receiver.bind(address)
+    return receiver
+
+
+# Requests: [front end, uid, queued at (monotonic), {"slot": [index, ticket], "shape": [...], "deadline", "admitted"}]
+def pack_request(message: tuple[int, str, float, dict[str, Any]]) -> bytes:
+    return msgpack.packb(message)
+
+
+def unpack_request(data: bytes) -> tuple[int, str, float, dict[str, Any]]:
+    """The request as the front end queued it (lists where it sent tuples), or WireError."""
+    message = _unpack(data, ext_hook=None)
+    if not (isinstance(message, list) and len(message) == 4):
+        raise WireError("a request is an array of 4")
+    front_end, uid, queued, payload = message
+    _check(_is_int(front_end) and front_end >= 0 and isinstance(uid, str) and _is_time(queued), "request header")
+    _check(isinstance(payload, dict), "request payload")
+    slot, shape = payload.get("slot"), payload.get("shape")
+    _check(isinstance(slot, list) and len(slot) == 2 and all(_is_int(v) and v >= 0 for v in slot), "slot")
+    _check(_is_shape(shape), "shape")
+    _check(_is_time(payload.get("deadline")) and _is_time(payload.get("admitted")), "deadline")
+    return front_end, uid, queued, payload
+
+
+# Answers: [uid, output, status, response type, worker]
+def pack_answer(item: tuple[str, tuple[Any, str, LoopResponseType, int]] | None) -> bytes:
+    """None is the shutdown sentinel; otherwise LitServe's (uid, (output, status, response type, worker id))."""
+    if item is None:
+        return msgpack.packb(None)
+    uid, (output, status, kind, worker) = item
+    return msgpack.packb([uid, output, status, kind.value, worker], default=_pack_value)
+
+
+def unpack_answer(data: bytes) -> tuple[str, tuple[Any, str, LoopResponseType, int]] | None:
+    """The answer as the worker's loop sent it, None for the shutdown sentinel, or WireError."""
+    message = _unpack(data, ext_hook=_unpack_value)
+    if message is None:
+        return None
+    if not (isinstance(message, list) and len(message) == 5):
+        raise WireError("an answer is an array of 5")
+    uid, output, status, kind, worker = message
+    _check(isinstance(uid, str) and isinstance(status, str) and _is_int(worker), "answer header")
+    try:
+        return uid, (output, status, LoopResponseType(kind), worker)
+    except ValueError:
+        raise WireError("answer type") from None
+
+
+def _pack_value(value: Any) -> msgpack.ExtType:
+    if isinstance(value, ApiError):
+        return msgpack.ExtType(ERROR, msgpack.packb([value.status, value.code, value.message, value.retry_after]))
+    if isinstance(value, InSlot):
+        return msgpack.ExtType(IN_SLOT, msgpack.packb([list(value.shape), value.dtype]))
+    if isinstance(value, np.ndarray) and value.dtype.kind in ARRAY_KINDS:
+        array = np.ascontiguousarray(value)
+        return msgpack.ExtType(ARRAY, msgpack.packb([array.dtype.str, list(array.shape), array.tobytes()]))
+    if isinstance(value, np.generic) and value.dtype.kind in ARRAY_KINDS:
+        return value.item()
+    raise TypeError(f"cannot send a {type(value).__name__} between processes")
+
+
+def _unpack_value(code: int, data: bytes) -> Any:
+    fields = _unpack(data, ext_hook=None)
+    _check(isinstance(fields, list), "extension value")
+    if code == ERROR and len(fields) == 4:
+        status, error_code, message, retry_after = fields
+        _check(_is_int(status) and 400 <= status <= 599 and isinstance(error_code, str), "error")
+        _check(isinstance(message, str) and (retry_after is None or _is_int(retry_after)), "error")
+        return ApiError(status, error_code, message, retry_after)
+    if code == IN_SLOT and len(fields) == 2:
+        shape, dtype = fields
+        _check(_is_shape(shape), "shape")
+        return InSlot(tuple(shape), _dtype(dtype).str)
+    if code == ARRAY and len(fields) == 3:
+        dtype, shape, raw = _dtype(fields[0]), fields[1], fields[2]
+        _check(_is_shape(shape) and isinstance(raw, bytes), "array")
+        _check(math.prod(shape) * dtype.itemsize == len(raw), "array size")
+        return np.frombuffer(bytearray(raw), dtype).reshape(shape)
+    raise WireError(f"extension type {code}")
+
+
+def _unpack(data: bytes, ext_hook: Any) -> Any:
+    try:
+        if ext_hook is None:
+            return msgpack.unpackb(data, raw=False, strict_map_key=True)
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, ext_hook=ext_hook)
+    except WireError:
+        raise
+    except Exception as exc:  # msgpack's own errors, and ValueError/TypeError from what it builds
+        raise WireError(f"not a message: {type(exc).__name__}") from None
+
+
+def _dtype(name: Any) -> np.dtype:
+    _check(isinstance(name, str) and len(name) <= 8, "dtype")
+    try:
+        dtype = np.dtype(name)
+    except TypeError:
+        raise WireError("dtype") from None
+    _check(dtype.kind in ARRAY_KINDS, "dtype")
+    return dtype
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_time(value: Any) -> bool:
+    return isinstance(value, float) and math.isfinite(value)
+
+
+def _is_shape(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_DIMENSIONS
+        and all(_is_int(side) and 0 <= side < 2**31 for side in value)
+    )
+
+
+def _check(condition: bool, what: str) -> None:
+    if not condition:
+        raise WireError(f"bad {what}")

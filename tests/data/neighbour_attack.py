@@ -1,0 +1,49 @@
+"""Run by tests/test_neighbours.py, often as another user: send a pickle that would write a marker file, garbage
+and an oversized datagram to every imgserve socket listed in /proc/net/unix; print what each send did, as JSON.
+Standard library only (it runs under the system's Python, as whoever the test makes it)."""
+
+import json
+import pickle
+import random
+import socket
+import sys
+
+
+class WritesMarker:
+    def __reduce__(self):
+        return exec, (f"open({sys.argv[1]!r}, 'w').write('ran')",)
+
+
+def imgserve_sockets() -> list[str]:
+    with open("/proc/net/unix") as table:
+        names = [line.split()[-1] for line in table.read().splitlines()[1:] if len(line.split()) >= 8]
+    return sorted({name for name in names if "imgserve" in name})
+
+
+def address(name: str) -> str:
+    return "\0" + name[1:] if name.startswith("@") else name
+
+
+def main() -> None:
+    rng = random.Random(29)
+    payloads = [pickle.dumps(WritesMarker()), pickle.dumps((0, "uid", 0.0, WritesMarker()))]
+    payloads += [rng.randbytes(rng.randrange(1, 4000)) for _ in range(50)]
+    payloads += [b"\x94" + rng.randbytes(20), b"\xc7\xff\x01" + rng.randbytes(300), bytes(300_000)]
+    results = {}
+    for name in imgserve_sockets():
+        outcomes = set()
+        for payload in payloads:
+            sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sender.setblocking(False)
+            try:
+                sender.sendto(payload, address(name))
+                outcomes.add("sent")
+            except OSError as exc:
+                outcomes.add(type(exc).__name__)
+            finally:
+                sender.close()
+        results[name] = sorted(outcomes)
+    print(json.dumps(results))
+
+
+main()

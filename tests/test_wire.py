@@ -1,0 +1,111 @@
+"""The hand-off messages (handoff/wire.py): what the server's processes send round-trips; anything else, from seeded
+mutations of real messages to pickles, is a WireError and never builds more than plain data."""
+
+from __future__ import annotations
+
+import pickle
+import random
+
+import msgpack
+import numpy as np
+import pytest
+from imgserve.errors import ApiError
+from imgserve.handoff import wire
+from imgserve.handoff.slots import InSlot
+from litserve.utils import LitAPIStatus, LoopResponseType
+
+REQUEST = (1, "3f2a-uid", 12.5, {"slot": [3, 17], "shape": [512, 512, 3], "deadline": 42.0, "admitted": 11.0})
+OUTPUTS = [
+    InSlot((512, 512, 3), "|u1"),
+    ApiError(503, "overloaded", "the queue is full", 1),
+    np.arange(12, dtype=np.float32).reshape(3, 4),
+    [0.25, 0.75],
+    {"count": 3},
+    None,
+]
+
+
+def answer(output: object) -> tuple:
+    return ("3f2a-uid", (output, LitAPIStatus.OK, LoopResponseType.REGULAR, 0))
+
+
+def test_requests_and_answers_round_trip() -> None:
+    assert wire.unpack_request(wire.pack_request(REQUEST)) == REQUEST
+    for output in OUTPUTS:
+        uid, (got, status, kind, worker) = wire.unpack_answer(wire.pack_answer(answer(output)))
+        assert (uid, status, kind, worker) == ("3f2a-uid", LitAPIStatus.OK, LoopResponseType.REGULAR, 0)
+        if isinstance(output, np.ndarray):
+            assert got.dtype == output.dtype and (got == output).all()
+        elif isinstance(output, ApiError):
+            assert (got.status, got.code, got.message, got.retry_after) == (503, "overloaded", "the queue is full", 1)
+        else:
+            assert got == output
+    assert wire.unpack_answer(wire.pack_answer(None)) is None
+
+
+def test_a_value_the_wire_does_not_carry_is_refused_when_sent() -> None:
+    for value in (object(), np.array(["text"], dtype=object), {1, 2}):
+        with pytest.raises(TypeError):
+            wire.pack_answer(answer(value))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pickle.dumps(REQUEST),
+        msgpack.packb([1, "uid", 1.0]),
+        msgpack.packb([1, "uid", float("nan"), REQUEST[3]]),
+        msgpack.packb([True, "uid", 1.0, REQUEST[3]]),
+        msgpack.packb([1, "uid", 1.0, {**REQUEST[3], "shape": [-1, 3]}]),
+        msgpack.packb([1, "uid", 1.0, {**REQUEST[3], "shape": [1] * 9}]),
+        msgpack.packb([1, "uid", 1.0, {**REQUEST[3], "slot": [1]}]),
+        b"",
+    ],
+)
+def test_what_is_not_a_request_is_a_wire_error(data: bytes) -> None:
+    with pytest.raises(wire.WireError):
+        wire.unpack_request(data)
+
+
+@pytest.mark.parametrize(
+    ("code", "fields"),
+    [
+        (wire.ARRAY, ["|O", [1], b"\x00" * 8]),  # object arrays hold Python objects
+        (wire.ARRAY, ["<f4", [3], b"\x00" * 8]),  # the size does not match the shape
+        (wire.ERROR, [200, "ok", "not an error", None]),
+        (wire.IN_SLOT, [[2, 2], "<U4"]),
+        (99, [1]),
+    ],
+)
+def test_an_answer_with_a_bad_value_is_a_wire_error(code: int, fields: list) -> None:
+    data = msgpack.packb(["uid", msgpack.ExtType(code, msgpack.packb(fields)), "OK", 1, 0])
+    with pytest.raises(wire.WireError):
+        wire.unpack_answer(data)
+
+
+def test_seeded_mutations_of_real_messages_are_answers_or_wire_errors() -> None:
+    """5000 mutations (flipped, cut, inserted, duplicated bytes): each parses to plain data or is a WireError."""
+    rng = random.Random(29)
+    seeds = [wire.pack_request(REQUEST)] + [wire.pack_answer(answer(output)) for output in OUTPUTS]
+    plain = (type(None), bool, int, float, str, bytes, list, dict, tuple, np.ndarray, InSlot, ApiError)
+    for _ in range(5000):
+        data = bytearray(rng.choice(seeds))
+        for _ in range(rng.randrange(1, 4)):
+            if not data:
+                break
+            where = rng.randrange(len(data))
+            match rng.randrange(4):
+                case 0:
+                    data[where] = rng.randrange(256)
+                case 1:
+                    del data[where:]
+                case 2:
+                    data[where:where] = rng.randbytes(rng.randrange(1, 9))
+                case _:
+                    data[where:where] = data[where : where + rng.randrange(1, 16)]
+        for unpack in (wire.unpack_request, wire.unpack_answer):
+            try:
+                message = unpack(bytes(data))
+            except wire.WireError:
+                continue
+            assert message is None or all(isinstance(part, plain) for part in message)
