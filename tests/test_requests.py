@@ -8,6 +8,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from pathlib import Path
 from queue import Empty
 from typing import Any
 
@@ -15,6 +16,11 @@ import pytest
 from imgserve.handoff.requests import RequestSocket
 
 SPAWN = mp.get_context("spawn")  # as LitServe starts its inference workers
+
+
+def request(uid: str, slot: int = 0) -> tuple:
+    """A request message as a worker receives it (a front end may send tuples inside; msgpack makes them lists)."""
+    return 0, uid, 1.0, {"slot": [slot, 1], "shape": [8, 8, 3], "deadline": 2.0, "admitted": 1.0}
 
 
 def receive_all(requests: Any, results: Any, idle_s: float, started: Any = None) -> None:
@@ -43,13 +49,13 @@ def collect(results: Any, count: int) -> dict[int, list]:
     return dict(results.get(timeout=60) for _ in range(count))
 
 
-def test_every_request_reaches_exactly_one_worker() -> None:
-    requests, results, started = RequestSocket(f"imgserve-test-{os.getpid()}-a"), SPAWN.Queue(), SPAWN.Barrier(4)
+def test_every_request_reaches_exactly_one_worker(tmp_path: Path) -> None:
+    requests, results, started = RequestSocket(tmp_path), SPAWN.Queue(), SPAWN.Barrier(4)
     workers = [SPAWN.Process(target=receive_all, args=(requests, results, 2.0, started)) for _ in range(3)]
     for worker in workers:
         worker.start()
     started.wait(60)
-    sent = [(0, f"uid-{i}", time.monotonic(), {"slot": (i, 1), "shape": (8, 8, 3)}) for i in range(400)]
+    sent = [request(f"uid-{i}", i) for i in range(400)]
     for message in sent:
         requests.put(message)
     taken = collect(results, len(workers))
@@ -60,10 +66,10 @@ def test_every_request_reaches_exactly_one_worker() -> None:
     assert all(taken.values())  # shared among the workers, not one taking everything
 
 
-def test_a_worker_killed_while_waiting_does_not_stop_the_others() -> None:
+def test_a_worker_killed_while_waiting_does_not_stop_the_others(tmp_path: Path) -> None:
     """kill -9 of a worker blocked in `get`: the survivor still takes every request (with a multiprocessing.Queue
     the killed worker would keep the reader lock, and the survivor would wait forever: see the control below)."""
-    requests, results, ready = RequestSocket(f"imgserve-test-{os.getpid()}-b"), SPAWN.Queue(), SPAWN.Event()
+    requests, results, ready = RequestSocket(tmp_path), SPAWN.Queue(), SPAWN.Event()
     doomed = SPAWN.Process(target=wait_forever, args=(requests, ready))
     doomed.start()
     assert ready.wait(60)
@@ -73,10 +79,10 @@ def test_a_worker_killed_while_waiting_does_not_stop_the_others() -> None:
     survivor = SPAWN.Process(target=receive_all, args=(requests, results, 2.0))
     survivor.start()
     for i in range(50):
-        requests.put(("message", i))
+        requests.put(request(f"message-{i}"))
     (taken,) = collect(results, 1).values()
     survivor.join(timeout=30)
-    assert taken == [("message", i) for i in range(50)]
+    assert taken == [request(f"message-{i}") for i in range(50)]
 
 
 def test_control_a_multiprocessing_queue_is_stopped_by_a_killed_reader() -> None:
@@ -98,26 +104,26 @@ def _wait_on_queue(requests: Any, ready: Any) -> None:
     requests.get()
 
 
-def test_get_waits_at_most_its_timeout() -> None:
-    requests = RequestSocket(f"imgserve-test-{os.getpid()}-c")
+def test_get_waits_at_most_its_timeout(tmp_path: Path) -> None:
+    requests = RequestSocket(tmp_path)
     with pytest.raises(Empty):
         requests.get_nowait()
     with pytest.raises(Empty):
         requests.get(timeout=0.2)
-    requests.put({"slot": (1, 2)})
-    assert requests.get(timeout=5) == {"slot": (1, 2)}
+    requests.put(request("one"))
+    assert requests.get(timeout=5) == request("one")
 
 
-def test_an_event_loop_send_never_blocks_it_says_when_the_queue_is_full() -> None:
+def test_an_event_loop_send_never_blocks_it_says_when_the_queue_is_full(tmp_path: Path) -> None:
     """put_nowait (what a front end's event loop calls) sends while there is room and returns False, sending
     nothing, once no worker has read for long enough; a blocking put then waits for room."""
-    requests = RequestSocket(f"imgserve-test-{os.getpid()}-c")
+    requests = RequestSocket(tmp_path)
     sent = 0
-    while sent < 100_000 and requests.put_nowait((0, f"uid-{sent}", 0.0, {"slot": (sent, 1)})):
+    while sent < 100_000 and requests.put_nowait(request(f"uid-{sent}", sent)):
         sent += 1
     assert 0 < sent < 100_000  # the kernel's queue filled up
-    assert not requests.put_nowait((0, "one too many", 0.0, {}))
+    assert not requests.put_nowait(request("one too many"))
     assert requests.get(timeout=1)[1] == "uid-0"  # in order, and the refused one was not queued
-    assert requests.put_nowait((0, "room again", 0.0, {}))
+    assert requests.put_nowait(request("room again"))
     received = [requests.get(timeout=1)[1] for _ in range(sent)]
     assert received[-1] == "room again" and "one too many" not in received
