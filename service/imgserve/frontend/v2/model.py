@@ -94,6 +94,10 @@ class ServedModel:
         if version not in (None, "", VERSION):
             raise ApiError(404, "unknown_version", f"model {name!r} has only version {VERSION}, not {version[:20]!r}")
 
+    def max_images(self) -> int:
+        """The most images one request may carry (what the pod's queue holds): the parsers' bound on BYTES elements."""
+        return self.inference.admission.limit()
+
     @property
     def kind(self) -> str:
         """The output kind the workers decided at warm-up (503 before the model is loaded)."""
@@ -181,9 +185,8 @@ class ServedModel:
         if kind == "segment":
             return _stacked(name, "UINT8", results)
         if kind == "classify" and output.classification is not None:
-            return Tensor(
-                name, "BYTES", [count, output.classification], self._top_k(results, output.classification), True
-            )
+            k = min(output.classification, len(results[0]))  # k is clamped to the class count: shape = data
+            return Tensor(name, "BYTES", [count, k], self._top_k(results, k), True)
         if kind == "classify":
             return _stacked(name, "FP32", results)
         if name == "count":

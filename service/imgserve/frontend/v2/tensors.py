@@ -12,6 +12,7 @@ import base64
 import binascii
 import json
 import math
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +40,9 @@ DTYPES: dict[str, np.dtype] = {
 }
 MAX_TENSORS = 16
 MAX_DIMENSIONS = 8
+STRING_ALLOWANCE = 4096  # JSON strings a request may hold beside its BYTES elements: keys, names, parameters
 _LENGTH = struct.Struct("<I")
+_DIGITS = re.compile(r"[0-9]{1,15}")
 
 
 @dataclass
@@ -102,25 +105,20 @@ def bad(message: str) -> ApiError:
     return ApiError(400, "bad_request", message[:300])
 
 
-def parse_http(body: bytes, header_length: str | None) -> InferRequest:
-    """An HTTP infer body -> InferRequest; `header_length` is the Inference-Header-Content-Length header."""
+def parse_http(body: bytes, header_length: str | None, max_elements: int | None = None) -> InferRequest:
+    """An HTTP infer body -> InferRequest; `header_length` is the Inference-Header-Content-Length header. Every BYTES
+    input holds at most `max_elements` elements (413 beyond), checked from its shape before anything is unpacked."""
     if header_length is None:
         header, binary = body, b""
-    elif not header_length.strip().isdigit() or int(header_length) > len(body):
-        raise bad(f"Inference-Header-Content-Length {header_length[:20]!r} is not a length within the body")
-    elif int(header_length) == 0:  # a raw binary request: the body is the one (image) input, batch 1
-        return InferRequest([Tensor("image", "BYTES", [1, 1], [_raw_element(body)])])
     else:
-        header, binary = body[: int(header_length)], body[int(header_length) :]
-    try:
-        model = _RequestModel.model_validate(json.loads(header))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad(f"the inference request is not JSON: {exc}") from None
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
-        raise bad(f"the inference request is not valid: {problems}") from None
+        length = _header_length(header_length, len(body))
+        if length == 0:  # a raw binary request: the body is the one (image) input, batch 1
+            return InferRequest([Tensor("image", "BYTES", [1, 1], [_raw_element(body)])])
+        header, binary = body[:length], body[length:]
+    model = _header(header, max_elements)
     inputs, offset = [], 0
     for item in model.inputs:
+        check_elements(item.name, item.datatype, item.shape, max_elements)
         size = item.parameters.get("binary_data_size")
         if size is None:
             inputs.append(from_json(item.name, item.datatype, item.shape, item.data))
@@ -139,6 +137,51 @@ def parse_http(body: bytes, header_length: str | None) -> InferRequest:
             for o in model.outputs
         ]
     return InferRequest(inputs, outputs, model.parameters, model.id, model.parameters.get("binary_data_output") is True)
+
+
+def _header_length(value: str, body_length: int) -> int:
+    """Inference-Header-Content-Length: ASCII digits only (str.isdigit() also takes '²' and '١'), within the body."""
+    value = value.strip()
+    if not _DIGITS.fullmatch(value) or int(value) > body_length:
+        raise bad(f"Inference-Header-Content-Length {value[:20]!r} is not a length within the body")
+    return int(value)
+
+
+def json_length(body_length: int, header_length: str | None) -> int:
+    """How many bytes of an HTTP infer body are JSON (what parsing it costs): what the header says, else all."""
+    value = (header_length or "").strip()
+    return min(int(value), body_length) if _DIGITS.fullmatch(value) else body_length
+
+
+def _header(header: bytes, max_elements: int | None) -> _RequestModel:
+    """The JSON inference header, validated; 413 before parsing when it holds more strings than any request whose
+    BYTES inputs fit `max_elements` could (each BYTES element is one JSON string)."""
+    if max_elements is not None and header.count(b'"') > 2 * (max_elements + STRING_ALLOWANCE):
+        raise ApiError(413, "too_many_images", f"the inference request holds more strings than {max_elements} images")
+    try:
+        document = json.loads(header)
+    except RecursionError:
+        raise bad("the inference request is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad(f"the inference request is not JSON: {exc}") from None
+    try:
+        return _RequestModel.model_validate(document)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
+        raise bad(f"the inference request is not valid: {problems}") from None
+    except RecursionError:
+        raise bad("the inference request is nested too deeply") from None
+
+
+def check_elements(name: str, datatype: str, shape: list[int], max_elements: int | None) -> None:
+    """413 when a BYTES tensor of `shape` has more than `max_elements` elements (None: no limit); call it before
+    unpacking, so that the work a request causes is bounded by the limit, not by what its data claims."""
+    if datatype != "BYTES" or max_elements is None:
+        return
+    count = elements(shape)
+    if count > max_elements:
+        message = f"input {name[:100]!r}: {count} BYTES elements are more than this server takes ({max_elements})"
+        raise ApiError(413, "too_many_images", message)
 
 
 def _top_k(output: _OutputModel) -> int | None:
@@ -168,7 +211,7 @@ def from_binary(name: str, datatype: str, shape: list[int], raw: bytes) -> Tenso
     """A tensor from its binary form."""
     count = elements(shape)
     if datatype == "BYTES":
-        return from_elements(name, shape, unpack_bytes(raw, name))
+        return from_elements(name, shape, unpack_bytes(raw, name, count))
     dtype = _dtype(name, datatype)
     if len(raw) != count * dtype.itemsize:
         raise bad(f"input {name!r}: {len(raw)} bytes of data for shape {shape} of {datatype}")
@@ -199,12 +242,15 @@ def from_elements(name: str, shape: list[int], values: list[bytes]) -> Tensor:
 
 
 def from_numbers(name: str, datatype: str, shape: list[int], values: list) -> Tensor:
-    """A numeric tensor from a flat list of numbers, each checked to fit the datatype."""
+    """A numeric tensor from a flat list of numbers, each checked to fit the datatype: integer datatypes take
+    integers only (not NaN, Inf or 1.5), within the datatype's range."""
     dtype = _dtype(name, datatype)
-    if not all(isinstance(item, int | float) for item in values):
-        raise bad(f"input {name!r}: {datatype} data must be numbers")
+    integral = dtype.kind in "uib"
+    kinds = int if integral else int | float
+    if not all(isinstance(item, kinds) for item in values):
+        raise bad(f"input {name!r}: {datatype} data must be {'integers' if integral else 'numbers'}")
     try:
-        array = np.array(values, dtype=np.float64 if dtype.kind == "f" else np.int64)
+        array = np.array(values, dtype=np.int64 if integral else np.float64)
     except OverflowError:
         raise bad(f"input {name!r}: a value is out of range for {datatype}") from None
     if dtype.kind in "ui" and array.size and (array.min() < np.iinfo(dtype).min or array.max() > np.iinfo(dtype).max):
@@ -236,10 +282,13 @@ def _check_count(name: str, shape: list[int], values: Any) -> Any:
     return values
 
 
-def unpack_bytes(raw: bytes, name: str) -> list[bytes]:
-    """Serialized BYTES (uint32 LE length, then the bytes, per element) -> the elements."""
+def unpack_bytes(raw: bytes, name: str, count: int | None = None) -> list[bytes]:
+    """Serialized BYTES (uint32 LE length, then the bytes, per element) -> the elements; with `count`, exactly that
+    many (400 otherwise), and never more than `count` are unpacked."""
     values, offset = [], 0
     while offset < len(raw):
+        if count is not None and len(values) == count:
+            raise bad(f"input {name!r}: BYTES data holds more than the {count} elements of its shape")
         if offset + 4 > len(raw):
             raise bad(f"input {name!r}: BYTES data ends inside an element's length")
         (length,) = _LENGTH.unpack_from(raw, offset)
