@@ -8,10 +8,16 @@ The wire format is Triton's generated stubs (tritonclient.grpc: service_pb2, mod
 from `raw_input_contents` or the typed `contents`; outputs are always written to `raw_output_contents`, the only
 place tritonclient.grpc reads them. Errors are gRPC status codes with the message; a 503 carries `retry-after`
 in the trailing metadata.
+
+Limits, like HTTP's (`Gate`, `options`): ModelInfer's API key is checked from the call's metadata before its message
+is read; `max_connections` bounds connections, calls in progress (more answer RESOURCE_EXHAUSTED at once) and the
+streams of one connection; `header_timeout_s` bounds a connection's handshake, its idle time, and the wait for the
+message of an open RPC; a request message is at most `max_body_bytes`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -55,6 +61,11 @@ CONTENTS = {  # the typed field of InferTensorContents that carries each datatyp
     "FP64": "fp64_contents",
 }
 GRACE_S = 5.0  # how long in-flight calls get when the front end stops
+INFER = "/inference.GRPCInferenceService/ModelInfer"
+GUARDED = frozenset({INFER})  # the RPCs that need a key, as over HTTP: inference; health, metadata, config stay open
+# The largest message gRPC and protobuf carry. An answer is bounded before its compute, as over HTTP, by the request's
+# images (at most the pod's queue) x the pixel limit; a smaller send limit could only refuse an answer already made.
+MAX_MESSAGE = 2**31 - 1
 
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
@@ -122,16 +133,66 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_rpc(metrics.GRPC_INFER)
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        started = time.monotonic()
-        metadata = [(key.encode(), _bytes(value)) for key, value in context.invocation_metadata() or ()]
-        if not self.keys.allow(presented_key(metadata)):
-            raise ApiError(401, "unauthorized", "send a valid API key: authorization: Bearer <key> metadata")
+        started = time.monotonic()  # its API key was checked by Gate, before the message was read
         self.model.check(request.model_name, request.model_version)
         remaining = context.time_remaining()
         timeout = self.settings.request_timeout_s if remaining is None else remaining
         deadline = started + min(timeout, self.settings.max_request_timeout_s)
         outputs = await self.model.infer(_request(request), deadline, started)
         return _response(self.model.name, request.id, [tensor for _, tensor in outputs])
+
+
+class Gate(grpc.aio.ServerInterceptor):
+    """Sees each call's method and metadata before its message is read. A guarded call without a valid key gets a
+    handler that never reads the message and answers UNAUTHENTICATED; every other unary call must send its message
+    within `header_timeout_s` (an open RPC's message is a few bytes, sent with its headers), so calls that never send
+    one cannot hold the server's call slots."""
+
+    def __init__(self, keys: Keys, settings: Settings) -> None:
+        self.keys, self.timeout = keys, settings.header_timeout_s
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming or handler.response_streaming:
+            return handler
+        if details.method not in GUARDED:
+            return _read_within(handler, self.timeout)
+        metadata = [(key.encode(), _bytes(value)) for key, value in details.invocation_metadata or ()]
+        return handler if self.keys.allow(presented_key(metadata)) else _REFUSED
+
+
+async def _unauthenticated(requests: Any, context: grpc.aio.ServicerContext) -> None:
+    """A guarded call without a valid key, whole: counted as a 401 and answered, its message never read."""
+    started = time.perf_counter()
+    try:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "send a valid API key: authorization: Bearer <key>")
+    finally:
+        metrics.count(metrics.GRPC_INFER, 401, time.perf_counter() - started)
+
+
+# A request-streaming handler: gRPC reads no message until the handler asks for one, and this one never does.
+_REFUSED = grpc.stream_unary_rpc_method_handler(_unauthenticated)
+
+
+def _read_within(handler: grpc.RpcMethodHandler, timeout: float) -> grpc.RpcMethodHandler:
+    """The unary `handler` as one that reads its own message, DEADLINE_EXCEEDED when none arrived in `timeout` s."""
+
+    async def answer(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        started = time.perf_counter()
+        try:
+            request = await asyncio.wait_for(context.read(), timeout)
+        except TimeoutError:
+            metrics.count(metrics.GRPC_OTHER, 408, time.perf_counter() - started)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request did not arrive within {timeout} s")
+        if request is grpc.aio.EOF:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without a request message")
+        return await handler.unary_unary(request, context)
+
+    return grpc.stream_unary_rpc_method_handler(answer, handler.request_deserializer, handler.response_serializer)
 
 
 def _bytes(value: str | bytes) -> bytes:
@@ -182,15 +243,31 @@ def _response(model: str, request_id: str, outputs: list[Tensor]) -> Any:
     return response
 
 
-async def start(servicer: Servicer, settings: Settings) -> grpc.aio.Server:
-    """Serve gRPC on --grpc-port on the running event loop, with message limits at the body limit."""
-    limit = settings.max_body_bytes
-    options = [
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.max_send_message_length", limit),
+def options(settings: Settings) -> list[tuple[str, int]]:
+    """The server's channel options: HTTP's limits for one front end, in gRPC's terms. `max_connections` bounds the
+    connections (a new one past it is closed) and the streams of one connection (a client's calls past it wait in its
+    own channel); `header_timeout_s` closes a connection that has not finished its handshake or has had no call for
+    that long, as HTTP closes a silent or idle connection."""
+    timeout_ms = round(settings.header_timeout_s * 1000)
+    return [
+        ("grpc.max_receive_message_length", settings.max_body_bytes),
+        ("grpc.max_send_message_length", MAX_MESSAGE),
+        ("grpc.max_allowed_incoming_connections", settings.max_connections),
+        ("grpc.max_concurrent_streams", settings.max_connections),
+        ("grpc.server_handshake_timeout_ms", timeout_ms),
+        ("grpc.max_connection_idle_ms", timeout_ms),
         ("grpc.so_reuseport", 0),
     ]
-    server = grpc.aio.server(options=options)
+
+
+async def start(servicer: Servicer, settings: Settings) -> grpc.aio.Server:
+    """Serve gRPC on --grpc-port on the running event loop, at most `max_connections` calls in progress at once
+    (gRPC answers the next ones RESOURCE_EXHAUSTED at once, before any of our code)."""
+    server = grpc.aio.server(
+        interceptors=[Gate(servicer.keys, settings)],
+        options=options(settings),
+        maximum_concurrent_rpcs=settings.max_connections,
+    )
     service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(servicer, server)
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     server.add_insecure_port(f"{host}:{settings.grpc_port}")
