@@ -1,14 +1,17 @@
-"""API keys against a real server: Bearer and X-API-Key, several keys, a key file that rotates, open health routes."""
+"""API keys against a real server: Bearer and X-API-Key, several keys, a key file that rotates, open health routes;
+keys fail closed (a key source without a key stops the start; a key file that breaks later keeps the keys)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-from serving import Server, image_bytes, running_server, start_server, stop_server
+from serving import Server, image_bytes, running_server, start_server, stop_server, wait_until
 
 PNG = {"Content-Type": "image/png"}
 GOOD = image_bytes(16, 16)
@@ -89,3 +92,89 @@ def test_a_missing_key_file_stops_the_server_with_a_clear_error(tmp_path: Path) 
     finally:
         stop_server(server)
     assert "cannot read --api-key-file" in server.log() and "Traceback" not in server.log()
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+@pytest.mark.parametrize(
+    ("setting", "make", "message"),
+    [
+        ("api_key_file", lambda path: path.write_text(""), "holds no key"),
+        ("api_key_file", lambda path: path.write_text("  \n\t\n\n"), "holds no key"),
+        ("api_key_file", _fifo, "not a regular file"),
+        ("api_key_file", Path.mkdir, "not a regular file"),
+        ("api_key_file", lambda path: path.write_text("k" * 70_000), "larger than 64 KiB"),
+        ("api_key", None, "--api-key holds no key"),
+    ],
+    ids=["empty file", "blank file", "fifo", "directory", "too large", "key list without a key"],
+)
+def test_a_key_source_without_a_key_stops_the_start_in_one_line(tmp_path: Path, setting, make, message) -> None:
+    """Keys fail closed: a key source that is set and yields no key is exit 2, never a server without keys."""
+    path = tmp_path / "api-key"
+    if make is not None:
+        make(path)
+    server = start_server({setting: str(path) if make else ","}, tmp_path)
+    try:
+        assert server.process.wait(timeout=60) == 2
+    finally:
+        stop_server(server)
+    lines = [line for line in server.log().splitlines() if line.strip()]
+    assert len(lines) == 1 and "imgserve: " in lines[0] and message in lines[0], lines
+
+
+def _predict_code(server: Server, key: str | None = None) -> int:
+    return predict(server, {} if key is None else {"X-API-Key": key}).status_code
+
+
+def test_a_key_file_that_breaks_while_serving_keeps_its_keys(tmp_path: Path) -> None:
+    """Truncated, then swapped for a FIFO: the keys in force stay (no key 401, the old key 200), each change is one
+    warning and one imgserve_api_key_reload_failures_total, and the FIFO never blocks a front end."""
+    path = tmp_path / "api-key"
+    path.write_text("k1\n")
+    with running_server(tmp_path, api_key_file=str(path)) as server:
+        assert (_predict_code(server), _predict_code(server, "k1")) == (401, 200)
+        failures = "imgserve_api_key_reload_failures_total"
+        assert server.metric(failures) == 0
+        for broken in (lambda: path.write_text(""), lambda: (path.unlink(), os.mkfifo(path))):
+            before = server.metric(failures)
+            broken()
+            wait_until(lambda before=before: server.metric(failures) > before, 10, "the broken key file was noticed")
+            started = time.monotonic()
+            assert httpx.get(f"{server.url}/health/live", timeout=5).status_code == 200
+            assert time.monotonic() - started < 1
+            for _ in range(4):  # every front end
+                assert (_predict_code(server), _predict_code(server, "k1")) == (401, 200)
+        time.sleep(2.5)  # a file that stays broken is not warned about again
+        warnings = [line for line in server.log().splitlines() if "keeping the 1 keys in force" in line]
+        assert len(warnings) == server.metric(failures) >= 2, warnings
+        path.unlink()
+        path.write_text("k2\n")
+        wait_until(lambda: _predict_code(server, "k2") == 200, 10, "the repaired key file was read")
+        time.sleep(1.5)  # every front end has looked at it
+        for _ in range(4):
+            assert (_predict_code(server, "k1"), _predict_code(server, "k2")) == (401, 200)
+
+
+def test_a_front_end_started_after_a_rotation_and_a_break_has_the_latest_keys(tmp_path: Path) -> None:
+    """Rotated from k1 to k2, then broken: a front end that replaces a dead one starts from k2 (never from the keys
+    read at start) and does not warn again about the file it finds as the others left it."""
+    path = tmp_path / "api-key"
+    path.write_text("k1\n")
+    with running_server(tmp_path, api_key_file=str(path), api_servers=1) as server:
+        path.write_text("k2\n")
+        wait_until(lambda: _predict_code(server, "k2") == 200, 10, "the rotated key was read")
+        path.write_text("")
+        failures = "imgserve_api_key_reload_failures_total"
+        wait_until(lambda: server.metric(failures) == 1, 10, "the broken key file was noticed")
+        time.sleep(1.5)  # the main process has read it too
+        [front_end] = server.front_end_pids().values()
+        os.kill(front_end, signal.SIGKILL)
+        wait_until(
+            lambda: server.front_end_pids() and front_end not in server.front_end_pids().values(), 10, "replaced"
+        )
+        assert (_predict_code(server, "k1"), _predict_code(server, "k2")) == (401, 200)
+        time.sleep(1.5)
+        assert server.metric(failures) == 1
+        assert len([line for line in server.log().splitlines() if "keeping the 1 keys in force" in line]) == 1

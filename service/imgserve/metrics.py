@@ -74,6 +74,9 @@ SLOTS_IN_USE = Gauge(
 )
 WORKER_RESTARTS = Counter("imgserve_worker_restarts_total", "Inference workers restarted after dying")
 FRONT_END_RESTARTS = Counter("imgserve_front_end_restarts_total", "HTTP front ends restarted after dying")
+API_KEY_RELOAD_FAILURES = Counter(
+    "imgserve_api_key_reload_failures_total", "Changes of the API key file that left no key (the keys in force stay)"
+)
 
 
 @dataclass(frozen=True)

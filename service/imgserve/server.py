@@ -29,7 +29,7 @@ from imgserve import __version__, heap, metrics
 from imgserve.config import GPU_BUSY_GOAL, MAX_CPU_WORKERS, Settings, gpu_workers_for, passive_openmp
 from imgserve.errors import install_handlers
 from imgserve.frontend.admission import Admission, AdmissionMiddleware, queue_bound
-from imgserve.frontend.auth import ApiKeyMiddleware, read_keys
+from imgserve.frontend.auth import ApiKeyMiddleware, KeyProblem, key_source
 from imgserve.frontend.connections import GuardedHttpToolsProtocol
 from imgserve.frontend.inference import CodecThreads, Inference
 from imgserve.frontend.routes import Routes
@@ -354,10 +354,12 @@ def serve(settings: Settings, directory: ServerDirectory) -> int:
         log.error("imgserve: %s", exc)
         return 2
     try:
-        read_keys(settings)
-    except OSError as exc:
-        log.error("imgserve: cannot read --api-key-file: %s", exc)
+        keys = key_source(settings)  # a key source that is set but yields no key: never a server without keys
+    except KeyProblem as exc:
+        log.error("imgserve: %s", exc)
         return 2
+    if keys is not None:
+        keys.watch(report=False)  # a front end forked later starts from the latest keys (each front end reports)
     if settings.grpc_port and not port_free(settings.host, settings.grpc_port):
         log.error(
             "imgserve: --grpc-port %d is already in use on %s (0 turns gRPC off)", settings.grpc_port, settings.host
