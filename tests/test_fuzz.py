@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import base64
+import copy
 import gzip
 import io
 import json
 import random
+import re
 import struct
 import time
 from collections import Counter
@@ -161,32 +163,87 @@ def v2_seeds() -> list[tuple[bytes, dict[str, str]]]:
         found.append((header + blob, {"Inference-Header-Content-Length": str(len(header))}))
     found.append((gzip.compress(found[0][0]), {"Content-Encoding": "gzip"}))
     found.append((jpeg, {"Inference-Header-Content-Length": "0"}))
+    found.append((json.dumps(pixels_json(pixels[:4, :5])).encode(), {}))
     return found
 
 
+def pixels_json(pixels: np.ndarray) -> dict:
+    """A JSON infer body carrying decoded pixels as UINT8 numbers."""
+    item = {"name": "pixels", "datatype": "UINT8", "shape": [1, *pixels.shape], "data": pixels.reshape(-1).tolist()}
+    return {"inputs": [item], "outputs": [{"name": "output_pixels"}]}
+
+
+NON_ASCII_DIGITS = "¹²³١٢٣٠۴५０９߁"  # str.isdigit() takes each; only the first three survive latin-1 headers
+DEEP_PLACES = ("document", "inputs", "data", "shape", "parameters", "outputs", "id")
+NOT_INTEGERS = ("NaN", "Infinity", "-Infinity", "1.5", "2.0", "-0.0", "1e2", "1e400", "-1e400", "256", "-1", "true")
+
+
+def hostile(rng: random.Random, binary: tuple[bytes, dict[str, str]], pixels: dict) -> tuple[str, bytes, dict]:
+    """A structured attack on the v2 parser: (its class, body, headers). Classes: non-ASCII digits in the header
+    length, JSON nested past the recursion limit somewhere in the request, non-integers in integer data."""
+    kind = rng.choice(("non-ASCII digits", "deep nesting", "non-integers"))
+    if kind == "non-ASCII digits":
+        body, headers = binary
+        digits = list(headers["Inference-Header-Content-Length"])
+        for _ in range(rng.randint(1, 3)):
+            digits.insert(rng.randrange(len(digits) + 1), rng.choice(NON_ASCII_DIGITS))
+        value = "".join(digits)
+        encoded = value.encode("latin-1") if all(ord(c) < 256 for c in value) else value.encode()
+        return kind, body, {"Inference-Header-Content-Length": encoded}
+    document = copy.deepcopy(pixels)
+    if kind == "deep nesting":
+        depth, place = rng.choice((999, 1000, 1001, 3000, 100_000)), rng.choice(DEEP_PLACES)
+        if place in ("inputs", "parameters", "id"):
+            document[place] = "@"
+        elif place == "outputs":
+            document["outputs"][0]["parameters"] = {"classification": "@"}
+        elif place != "document":
+            document["inputs"][0][place] = "@"
+        text = json.dumps("@" if place == "document" else document)
+        body = text.replace('"@"', "[" * depth + rng.choice(("0", '""', "{}")) + "]" * depth).encode()
+    else:
+        data = document["inputs"][0]["data"]
+        for _ in range(rng.randint(1, 3)):
+            data[rng.randrange(len(data))] = "@"
+        document["inputs"][0]["datatype"] = rng.choice(("UINT8", "UINT8", "INT32", "INT8", "UINT16", "INT64", "BOOL"))
+        body = re.sub('"@"', lambda _: rng.choice(NOT_INTEGERS), json.dumps(document)).encode()
+    if rng.random() < 0.5:  # large or compressed bodies are parsed on the codec threads, small ones on the loop
+        return kind, gzip.compress(body), {"Content-Encoding": "gzip"}
+    return kind, body, {}
+
+
 def test_mutated_v2_bodies_get_the_protocols_error_and_the_server_stays_healthy(server: Server) -> None:
-    """The v2 body parser (JSON header, binary tensors, gzip, raw) fuzzed: 200 or a 4xx `{"error": "..."}`."""
+    """The v2 body parser (JSON header, binary tensors, gzip, raw) fuzzed: 200 or a 4xx `{"error": "..."}`. Every
+    fourth case is a structured attack (see `hostile`), the rest random byte mutations of valid bodies."""
     rng = random.Random(SEED + 1)
     originals = v2_seeds()
+    binary = [seed for seed in originals if seed[1].get("Inference-Header-Content-Length", "0") != "0"]
+    pixels = json.loads(originals[-1][0])
     end = time.monotonic() + BUDGET_S / 2
     statuses: Counter[int] = Counter()
+    attacks: Counter[str] = Counter()
     wrong: list[str] = []
     with httpx.Client(timeout=60) as client:
         for index in range(CASES // 2):
             if time.monotonic() > end:
                 break
-            body, headers = originals[index % len(originals)]
-            for _ in range(rng.choice((1, 1, 2))):
-                body = mutate(body, rng)
+            if index % 4 == 3:
+                kind, body, headers = hostile(rng, rng.choice(binary), pixels)
+                attacks[kind] += 1
+            else:
+                kind, (body, headers) = "mutation", originals[index % len(originals)]
+                for _ in range(rng.choice((1, 1, 2))):
+                    body = mutate(body, rng)
             response = client.post(f"{server.url}/v2/models/denoiser/infer", content=body, headers=headers)
             statuses[response.status_code] += 1
             if response.status_code not in V2_ALLOWED:
-                wrong.append(f"{index}: {response.status_code} {response.text[:200]}")
+                wrong.append(f"{index} ({kind}): {response.status_code} {response.text[:200]}")
             elif response.status_code != 200:
                 error = json.loads(response.content)
                 assert list(error) == ["error"] and isinstance(error["error"], str), error
     assert wrong == [], wrong[:10]
     assert sum(statuses.values()) >= 300 and statuses[400] and statuses[200], statuses
+    assert len(attacks) == 3 and min(attacks.values()) >= 20, attacks
     assert httpx.get(f"{server.url}/v2/health/ready").json() == {"ready": True}
     assert server.metric("imgserve_requests_total", route="/v2/infer", code="500") == 0
     assert "Traceback" not in server.log()

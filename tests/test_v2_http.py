@@ -245,6 +245,24 @@ def test_classifier_scores_and_the_classification_extension(tmp_path, toy_model)
             assert float(score) == pytest.approx(expected[best], abs=1e-5)
 
 
+def test_classification_past_the_class_count_answers_every_class_once(tmp_path, toy_model) -> None:
+    """k above the class count: the shape says [N, class count] and the data holds exactly that, binary or JSON."""
+    with running_server(tmp_path, **toy_model("TinyClassifier")) as server:
+        client = triton.InferenceServerClient(server.address)
+        images = images_input(image_bytes(16, 16, seed=1), image_bytes(24, 16, seed=2))
+        for binary in (True, False):
+            output = triton.InferRequestedOutput("scores", binary_data=binary, class_count=10)
+            result = client.infer("TinyClassifier", [images], outputs=[output])
+            assert result.get_output("scores")["shape"] == [2, 4]
+            top = result.as_numpy("scores")  # reshaped by the answer's shape: fails if the data does not fit it
+            assert top.shape == (2, 4)
+            for row in top:
+                texts = [entry.decode() if isinstance(entry, bytes) else entry for entry in row]  # JSON: str
+                scores, indices = zip(*(text.split(":") for text in texts), strict=True)
+                assert sorted(map(int, indices)) == [0, 1, 2, 3]
+                assert list(map(float, scores)) == sorted(map(float, scores), reverse=True)
+
+
 def test_segmentation_answers_a_mask_per_image(tmp_path, toy_model) -> None:
     with running_server(tmp_path, task="segment", **toy_model("TinySegmenter")) as server:
         client = triton.InferenceServerClient(server.address)
