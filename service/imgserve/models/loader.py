@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import io
 import os
 import pickle
 import sys
@@ -14,6 +15,7 @@ from pathlib import Path
 import torch
 
 from imgserve.config import BUILTIN_MODEL
+from imgserve.models.exported import unsafe_reason
 
 Weights = dict[str, torch.Tensor]
 
@@ -102,7 +104,7 @@ def _load(path: Path, factory: str | None, trust_pickle: bool, lazy: bool) -> to
 
         return build_denoiser().eval()
     if path.suffix == ".pt2":
-        return torch.export.load(str(path)).module()
+        return _load_exported(path, trust_pickle)
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -127,6 +129,22 @@ def _load(path: Path, factory: str | None, trust_pickle: bool, lazy: bool) -> to
             raise ModelLoadError(f"{path} holds a state dict: set --model-factory module:function to build the module")
         return _with_state(factory, loaded)
     raise ModelLoadError(f"{path} holds a {type(loaded).__name__}, not a model or a state dict")
+
+
+def _load_exported(path: Path, trust_pickle: bool) -> torch.nn.Module:
+    """A torch.export program. torch.export.load can run code the archive carries (pickles, SymPy and guard strings,
+    names written into generated code): without --trust-pickle only the plain form torch.export.save writes for an
+    ordinary model is loaded (models/exported.py), from the very bytes that were checked."""
+    if trust_pickle:
+        return torch.export.load(str(path)).module()
+    data = path.read_bytes()
+    reason = unsafe_reason(data)
+    if reason:
+        raise ModelLoadError(
+            f"{path} is a torch.export archive that could run code when loaded: {reason}. "
+            "Re-export it with torch.export.save, or pass --trust-pickle if you trust its author."
+        )
+    return torch.export.load(io.BytesIO(data)).module()
 
 
 def _torch_can_read(path: Path) -> bool:
