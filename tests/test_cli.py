@@ -50,3 +50,12 @@ def test_a_wrong_flag_value_is_one_line_and_exit_2() -> None:
     result = imgserve("serve", "--port", "abc")
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1 and result.stderr.startswith("imgserve: invalid settings: --port"), result
+
+
+@pytest.mark.parametrize("arguments", [["serve", "--nope"], [], ["serve", "--port"], ["plan"]])
+def test_a_command_line_argparse_refuses_is_one_line_and_exit_2(arguments: list[str]) -> None:
+    """An unknown flag, a missing command or value: one line naming the problem and where --help is, no usage dump."""
+    result = imgserve(*arguments)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith("imgserve"), result.stderr
+    assert "--help" in result.stderr and "usage:" not in result.stderr

@@ -7,6 +7,7 @@ import os
 import stat
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
@@ -85,9 +86,16 @@ def _serve(args: argparse.Namespace) -> int:
         directory.remove()
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error (what was wrong and where --help is), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `imgserve` console script."""
-    parser = argparse.ArgumentParser(prog="imgserve", description=__doc__)
+    parser = _Parser(prog="imgserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve_parser = sub.add_parser("serve", help="run the HTTP server")

@@ -109,7 +109,9 @@ class Settings(BaseSettings):
         None, description="module:function that builds the nn.Module for a state-dict/safetensors file."
     )
     trust_pickle: bool = Field(
-        False, description="Allow loading a whole pickled model (runs arbitrary code from the file!)."
+        False,
+        description="Load model files that can run code: a whole pickled model, or a .pt2 in any form other than "
+        "the plain one torch.export.save writes (runs code from the file!).",
     )
     labels: str | None = Field(None, description="Text file with one class label per line (classifiers).")
     input_size: int | None = Field(
@@ -204,7 +206,10 @@ class Settings(BaseSettings):
 
     # Connections and uploads (each front-end process).
     max_connections: int = Field(
-        1024, ge=1, description="Open connections per front-end process; past it a new one gets 503 and is closed."
+        1024,
+        ge=1,
+        description="Open connections per front-end process; past it a new one gets 503 and is closed. Also the "
+        "gRPC port's calls in progress, streams per connection and connections.",
     )
     header_timeout_s: float = Field(
         5.0, gt=0, description="Time for a request's line and headers to arrive (408 and close after it)."
@@ -226,7 +231,9 @@ class Settings(BaseSettings):
         None, description="Keys that may call /predict (comma separated, for rotation); none = no authentication."
     )
     api_key_file: str | None = Field(
-        None, description="File with one API key per line (a mounted Secret), re-read when it changes."
+        None,
+        description="File with one API key per line (a mounted Secret), re-read every second; a change that leaves "
+        "no key keeps the keys in force.",
     )
     protect_metrics: bool = Field(False, description="Require an API key for /metrics and /info too.")
 
