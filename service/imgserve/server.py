@@ -28,8 +28,9 @@ from starlette.routing import Route
 from imgserve import __version__, heap, metrics
 from imgserve.config import GPU_BUSY_GOAL, MAX_CPU_WORKERS, Settings, gpu_workers_for, passive_openmp
 from imgserve.errors import install_handlers
+from imgserve.frontend import telemetry
 from imgserve.frontend.admission import Admission, AdmissionMiddleware, queue_bound
-from imgserve.frontend.auth import ApiKeyMiddleware, KeyProblem, key_source
+from imgserve.frontend.auth import ApiKeyMiddleware, KeyProblem, Keys
 from imgserve.frontend.connections import GuardedHttpToolsProtocol
 from imgserve.frontend.inference import CodecThreads, Inference
 from imgserve.frontend.routes import Routes
@@ -103,8 +104,8 @@ def choose_gpu_workers(settings: Settings, weights: SharedWeights, device_type: 
 class ImageServer(ls.LitServer):
     """LitServer with imgserve's own predict/health/info/metrics routes and admission in front."""
 
-    def __init__(self, settings: Settings, directory: ServerDirectory) -> None:
-        self.settings, self.directory = settings, directory
+    def __init__(self, settings: Settings, directory: ServerDirectory, keys: Keys) -> None:
+        self.settings, self.directory, self.keys = settings, directory, keys
         slot_directory = directory.slots
         self.accelerator = resolve_device(settings.device)
         devices = torch.cuda.device_count() if self.accelerator == "cuda" else 1
@@ -149,17 +150,17 @@ class ImageServer(ls.LitServer):
             disable_openapi_url=True,  # no /docs, /redoc, /openapi.json
             middlewares=[  # the last is outermost
                 (AdmissionMiddleware, {"admission": self.admission, "settings": settings}),
-                (ApiKeyMiddleware, {"settings": settings}),
-                metrics.MetricsMiddleware,
+                (ApiKeyMiddleware, {"settings": settings, "keys": keys}),
+                telemetry.MetricsMiddleware,
             ],
         )
         install_handlers(self.app)
         self._monitor_workers = False  # imgserve's own monitor answers for the dead worker's requests
         copies = 1 if self.weights.shared else workers_per_device
-        self.pod_collector = metrics.PodCollector(
+        self.pod_collector = telemetry.PodCollector(
             self.state,
             slot_directory,
-            metrics.ModelFacts(
+            telemetry.ModelFacts(
                 settings.model, settings.precision, self.device_names, copies * self.weights.nbytes, __version__
             ),
         )
@@ -176,15 +177,15 @@ class ImageServer(ls.LitServer):
             self.settings,
             self.state,
             self.inference,
-            lambda: metrics.exposition(self.pod_collector),
+            lambda: telemetry.exposition(self.pod_collector),
             self.describe,
             lambda: dict(self.workers_setup_status),
         )
-        for path in metrics.PREDICT_PATHS:
+        for path in telemetry.PREDICT_PATHS:
             self.app.router.routes.append(Route(path, routes.predict, methods=["POST"]))
         model = ServedModel(self.settings, self.state, self.inference, routes.renderer, routes.not_ready_reason)
         self.app.router.routes.extend(V2Routes(model, self.settings.max_body_bytes).routes())
-        self.grpc_servicer = grpc_service.Servicer(model, self.settings)
+        self.grpc_servicer = grpc_service.Servicer(model, self.settings, self.keys)
         for path, endpoint in (
             ("/health/live", routes.live),
             ("/health/ready", routes.ready),
@@ -354,19 +355,17 @@ def serve(settings: Settings, directory: ServerDirectory) -> int:
         log.error("imgserve: %s", exc)
         return 2
     try:
-        keys = key_source(settings)  # a key source that is set but yields no key: never a server without keys
+        keys = Keys.load(settings, directory.root / "api-keys")  # a key source that yields no key: no server
     except KeyProblem as exc:
         log.error("imgserve: %s", exc)
         return 2
-    if keys is not None:
-        keys.watch(report=False)  # a front end forked later starts from the latest keys (each front end reports)
     if settings.grpc_port and not port_free(settings.host, settings.grpc_port):
         log.error(
             "imgserve: --grpc-port %d is already in use on %s (0 turns gRPC off)", settings.grpc_port, settings.host
         )
         return 2
     try:
-        return run_server(ImageServer(settings, directory))
+        return run_server(ImageServer(settings, directory, keys))
     except ModelLoadError as exc:
         log.error("imgserve: %s", exc)
         return 2

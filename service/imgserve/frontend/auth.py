@@ -17,11 +17,14 @@ import stat
 import threading
 import time
 from collections.abc import Iterable
+from pathlib import Path
+
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from imgserve.config import Settings
 from imgserve.errors import ApiError
-from imgserve.metrics import API_KEY_RELOAD_FAILURES, INFER_ROUTES, route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from imgserve.frontend.telemetry import INFER_ROUTES, route
+from imgserve.metrics import API_KEY_RELOAD_FAILURES
 
 MAX_KEY_FILE_BYTES = 64 * 1024
 POLL_S = 1.0  # how often a front end re-reads the key file
@@ -73,95 +76,94 @@ def _file_identity(path: str) -> object:
     return facts.st_dev, facts.st_ino, facts.st_mode, facts.st_size, facts.st_mtime_ns, facts.st_ctime_ns
 
 
-class KeySource:
-    """The keys of one `api_key` / `api_key_file` pair in this process. The file is re-read every POLL_S by a daemon
-    thread, never on the event loop; a read that yields no key keeps the keys in force, and a front end logs one
-    warning and counts one API_KEY_RELOAD_FAILURES per state of the file. The main process watches the file quietly,
-    so a front end forked later starts from the latest keys, then watches the file itself."""
+class Keys:
+    """The API keys in force in this process: `allow` is a cheap synchronous check, constant time per key.
 
-    def __init__(self, api_key: str | None, api_key_file: str | None) -> None:
-        self.fixed = parse_key_list(api_key) if api_key is not None else ()
-        self.path = api_key_file or ""
-        self.keys = self.fixed + (read_key_file(api_key_file) if api_key_file else ())
+    Built once in the main process (`load`: KeyProblem when a key source that is set yields no key) and inherited by
+    every front end, which watches the key file from a daemon thread (`watch`), never on the event loop: every
+    POLL_S it is re-read; a read that yields no key keeps the keys in force and is logged and counted once per state
+    of the file. The last keys any front end read are kept in the server's private directory (`last_good`), so a
+    front end started later, finding the file broken, starts from them rather than from the keys read at start."""
+
+    def __init__(self, fixed: tuple[bytes, ...], path: str, last_good: Path | None) -> None:
+        self.fixed, self.path, self.last_good = fixed, path, last_good
+        self.keys = fixed + (read_key_file(path) if path else ())
+        self.on = bool(self.keys)  # no key source at all: authentication is off
         self.broken: object = None  # the state of the file last warned about
-        self.pid: int | None = None  # the process whose thread watches the file
-        self.report = True  # log and count a broken file (the front ends; not the main process)
-        self._lock = threading.Lock()
+        self._watcher: int | None = None  # the process whose thread watches the file
+        self._remember(self.keys)
 
-    def watch(self, report: bool = True) -> None:
-        """Watch the key file from this process, from a daemon thread. A front end calls this as it starts, before it
-        serves, and waits for the thread's first read (at most POLL_S, so a hung file system cannot hold it up)."""
-        with self._lock:
-            if self.pid == os.getpid():
-                return
-            self.pid, self.report = os.getpid(), report
-            if self.path:
-                first_read = threading.Event()
-                threading.Thread(target=self._poll, args=(first_read,), name="imgserve-api-keys", daemon=True).start()
-                first_read.wait(POLL_S)
+    @classmethod
+    def load(cls, settings: Settings, last_good: Path | None = None) -> Keys:
+        """The settings' keys; KeyProblem when a key source that is set yields none (`imgserve serve` exits 2)."""
+        fixed = parse_key_list(settings.api_key) if settings.api_key is not None else ()
+        return cls(fixed, settings.api_key_file or "", last_good)
 
-    def reload(self) -> None:
-        """Read the key file again; keep the keys in force if it yields none."""
+    def allow(self, given: bytes | None) -> bool:
+        """Whether a request presenting `given` (None: no key) may pass."""
+        if not self.on:
+            return True
+        if self._watcher != os.getpid():
+            self.watch()
+        # every key is compared, so the time taken does not tell which one nearly matched
+        return given is not None and sum(hmac.compare_digest(given, key) for key in self.keys) > 0
+
+    def watch(self) -> None:
+        """Watch the key file from this process: a front end calls this as it starts, before it serves, and waits
+        for the thread's first read (at most POLL_S, so a hung file system cannot hold it up)."""
+        if self._watcher == os.getpid() or not self.path:
+            return
+        self._watcher = os.getpid()
+        first_read = threading.Event()
+        threading.Thread(target=self._poll, args=(first_read,), name="imgserve-api-keys", daemon=True).start()
+        first_read.wait(POLL_S)
+
+    def reload(self, first: bool = False) -> None:
+        """Read the key file again; keep the keys in force if it yields none. The `first` read of a front end takes
+        a broken file silently, with the last keys read (the front ends that saw it break have said so)."""
         try:
             keys = self.fixed + read_key_file(self.path)
         except KeyProblem as problem:
             state = (_file_identity(self.path), str(problem))
-            if state != self.broken and self.report:
+            if first:
+                self.keys = self._last_good() or self.keys
+            elif state != self.broken:
                 API_KEY_RELOAD_FAILURES.inc()
                 log.warning("%s; keeping the %d keys in force", problem, len(self.keys))
             self.broken = state
             return
+        if keys != self.keys:
+            self._remember(keys)  # before they are in force: a front end started next starts from them
         self.keys, self.broken = keys, None
 
     def _poll(self, first_read: threading.Event) -> None:
+        self.reload(first=True)
+        first_read.set()
         while True:
-            self.reload()
-            first_read.set()
             time.sleep(POLL_S)
+            self.reload()
 
+    def _remember(self, keys: tuple[bytes, ...]) -> None:
+        if self.last_good is None or not self.path:
+            return
+        spare = self.last_good.with_name(f"{self.last_good.name}.{os.getpid()}")
+        spare.write_bytes(b"\n".join(keys) + b"\n")
+        os.replace(spare, self.last_good)
 
-_sources: dict[tuple[str | None, str | None], KeySource] = {}
-
-
-def key_source(settings: Settings) -> KeySource | None:
-    """This process's KeySource for the settings' keys (None: no key source is set, authentication is off).
-    Raises KeyProblem when a source that is set yields no key; `imgserve serve` checks this at start."""
-    if settings.api_key is None and not settings.api_key_file:
-        return None
-    name = (settings.api_key, settings.api_key_file)
-    if name not in _sources:
-        _sources[name] = KeySource(*name)
-    return _sources[name]
-
-
-class Keys:
-    """The API keys in force, for one guard (HTTP middleware, gRPC servicer): `allow` is a cheap synchronous check,
-    constant time per key; the key file is watched by a thread of the process that calls it."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.source = key_source(settings)
-
-    def watch(self) -> None:
-        """Start watching the key file from this process (otherwise the first `allow` does)."""
-        if self.source is not None:
-            self.source.watch()
-
-    def allow(self, given: bytes | None) -> bool:
-        """Whether a request presenting `given` (None: no key) may pass."""
-        source = self.source
-        if source is None:
-            return True
-        if source.pid != os.getpid():
-            source.watch()
-        # every key is compared, so the time taken does not tell which one nearly matched
-        return given is not None and sum(hmac.compare_digest(given, key) for key in source.keys) > 0
+    def _last_good(self) -> tuple[bytes, ...]:
+        if self.last_good is None:
+            return ()
+        try:
+            return read_key_file(str(self.last_good))
+        except KeyProblem:
+            return ()
 
 
 class ApiKeyMiddleware:
     """401 with `WWW-Authenticate: Bearer` for a guarded route without a valid key."""
 
-    def __init__(self, app: ASGIApp, settings: Settings) -> None:
-        self.app, self.keys = app, Keys(settings)
+    def __init__(self, app: ASGIApp, settings: Settings, keys: Keys) -> None:
+        self.app, self.keys = app, keys
         self.keys.watch()  # built by the front end as it starts, before it serves
         self.guarded = INFER_ROUTES | ({"/metrics", "/info"} if settings.protect_metrics else set())
 

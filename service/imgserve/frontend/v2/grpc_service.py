@@ -26,14 +26,16 @@ from typing import Any
 
 import grpc
 from google.protobuf import json_format
+from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
+
 from imgserve import metrics
 from imgserve.config import Settings
 from imgserve.errors import ApiError
+from imgserve.frontend import telemetry
 from imgserve.frontend.auth import Keys, presented_key
 from imgserve.frontend.v2 import tensors
 from imgserve.frontend.v2.model import VERSION, ServedModel
 from imgserve.frontend.v2.tensors import InferRequest, RequestedOutput, Tensor
-from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 log = logging.getLogger(__name__)
 STATUS = {
@@ -99,39 +101,38 @@ def _rpc(label: str) -> Callable[[Handler], Handler]:
 class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     """The core RPCs and ModelConfig (perf_analyzer -i grpc needs it); the rest answer UNIMPLEMENTED."""
 
-    def __init__(self, model: ServedModel, settings: Settings) -> None:
-        self.model, self.settings = model, settings
-        self.keys = Keys(settings)
+    def __init__(self, model: ServedModel, settings: Settings, keys: Keys) -> None:
+        self.model, self.settings, self.keys = model, settings, keys
 
-    @_rpc(metrics.GRPC_OTHER)
+    @_rpc(telemetry.GRPC_OTHER)
     async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return service_pb2.ServerLiveResponse(live=True)
 
-    @_rpc(metrics.GRPC_OTHER)
+    @_rpc(telemetry.GRPC_OTHER)
     async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return service_pb2.ServerReadyResponse(ready=self.model.not_ready_reason() is None)
 
-    @_rpc(metrics.GRPC_OTHER)
+    @_rpc(telemetry.GRPC_OTHER)
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self.model.check(request.name, request.version)
         return service_pb2.ModelReadyResponse(ready=self.model.not_ready_reason() is None)
 
-    @_rpc(metrics.GRPC_OTHER)
+    @_rpc(telemetry.GRPC_OTHER)
     async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         return json_format.ParseDict(self.model.server_metadata(), service_pb2.ServerMetadataResponse())
 
-    @_rpc(metrics.GRPC_OTHER)
+    @_rpc(telemetry.GRPC_OTHER)
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self.model.check(request.name, request.version)
         return json_format.ParseDict(self.model.metadata(), service_pb2.ModelMetadataResponse())
 
-    @_rpc(metrics.GRPC_OTHER)
+    @_rpc(telemetry.GRPC_OTHER)
     async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         self.model.check(request.name, request.version)
         config = json_format.ParseDict(self.model.config(), model_config_pb2.ModelConfig())
         return service_pb2.ModelConfigResponse(config=config)
 
-    @_rpc(metrics.GRPC_INFER)
+    @_rpc(telemetry.GRPC_INFER)
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         started = time.monotonic()  # its API key was checked by Gate, before the message was read
         self.model.check(request.model_name, request.model_version)
@@ -171,7 +172,7 @@ async def _unauthenticated(requests: Any, context: grpc.aio.ServicerContext) -> 
     try:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, "send a valid API key: authorization: Bearer <key>")
     finally:
-        metrics.count(metrics.GRPC_INFER, 401, time.perf_counter() - started)
+        metrics.count(telemetry.GRPC_INFER, 401, time.perf_counter() - started)
 
 
 # A request-streaming handler: gRPC reads no message until the handler asks for one, and this one never does.
@@ -186,7 +187,7 @@ def _read_within(handler: grpc.RpcMethodHandler, timeout: float) -> grpc.RpcMeth
         try:
             request = await asyncio.wait_for(context.read(), timeout)
         except TimeoutError:
-            metrics.count(metrics.GRPC_OTHER, 408, time.perf_counter() - started)
+            metrics.count(telemetry.GRPC_OTHER, 408, time.perf_counter() - started)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request did not arrive within {timeout} s")
         if request is grpc.aio.EOF:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without a request message")
