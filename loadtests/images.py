@@ -7,8 +7,9 @@ from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
-from imgserve.models.synthetic import add_noise, clean_image
 from PIL import Image
+
+from imgserve.models.synthetic import add_noise, clean_image
 
 # (width, height, format): mixed sizes and both common upload formats.
 SPECS = [

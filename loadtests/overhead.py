@@ -28,9 +28,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import torch
-from imgserve.config import Settings
 from PIL import Image
 
+from imgserve.config import Settings
 from loadtests.closed_loop import LoadResult, run_closed_loop
 from loadtests.images import SampleImage, square_jpegs
 from loadtests.report import failures_seen, machine, publish

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
 from imgserve.config import BUILTIN_MODEL, Settings
 from imgserve.frontend import codec
 from imgserve.models.loader import load_model

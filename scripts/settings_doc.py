@@ -20,9 +20,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "service"))  # this checkout's imgserve
 
 import annotated_types  # noqa: E402
+from pydantic.fields import FieldInfo  # noqa: E402
+
 from imgserve import cli  # noqa: E402
 from imgserve.config import Settings  # noqa: E402
-from pydantic.fields import FieldInfo  # noqa: E402
 
 ENV_PREFIX = "IMGSERVE_"
 UNGROUPED = "Other"

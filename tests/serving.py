@@ -16,9 +16,9 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from imgserve.handoff.directory import LOCK, SHM_ROOT
 from prometheus_client.parser import text_string_to_metric_families
 
+from imgserve.handoff.directory import LOCK, SHM_ROOT
 from loadtests.servers import RunningServer, free_port, imgserve_command, stop
 from loadtests.servers import wait_ready as _wait_ready
 
@@ -172,8 +172,9 @@ def running_server(log_dir: Path | None = None, **settings: object) -> Iterator[
 def image_bytes(width: int, height: int, fmt: str = "PNG", seed: int = 0, mode: str = "RGB") -> bytes:
     """A synthetic photo of the given size, encoded."""
     import numpy as np
-    from imgserve.models.synthetic import clean_image
     from PIL import Image
+
+    from imgserve.models.synthetic import clean_image
 
     pixels = (clean_image(np.random.default_rng(seed), height, width) * 255).astype("uint8")
     buffer = io.BytesIO()

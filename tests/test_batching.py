@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from imgserve.errors import ApiError
 from imgserve.models.denoiser import build_denoiser
 from imgserve.models.outputs import to_pixels

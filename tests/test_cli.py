@@ -8,8 +8,9 @@ import subprocess
 import sys
 
 import pytest
-from imgserve.config import Settings
 from serving import SOURCE, TESTS
+
+from imgserve.config import Settings
 
 
 def imgserve(*arguments: str) -> subprocess.CompletedProcess:

@@ -6,10 +6,11 @@ import io
 
 import numpy as np
 import pytest
+from PIL import Image
+
 from imgserve.errors import ApiError
 from imgserve.frontend.codec import choose_format, decode_image, encode_image, prepare_pixels
 from imgserve.models.preprocess import Preprocess
-from PIL import Image
 
 LIMIT = 10_000_000
 

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+
 from imgserve import config
 from imgserve.config import MAX_CPU_WORKERS, MAX_GPU_WORKERS, Settings, gpu_workers_for, usable_cpus
 

@@ -100,7 +100,7 @@ def test_chart_configmap_carries_the_dashboard() -> None:
 def test_the_prediction_panels_count_every_inference_route() -> None:
     """/predict, its alias, and the Open Inference Protocol's HTTP and gRPC inferences: a KServe client's traffic is
     on the dashboard too (the same selector as the alert rules', which promtool's tests check)."""
-    from imgserve import metrics
+    from imgserve.frontend import telemetry as metrics
 
     [pattern] = re.findall(r'route=~"([^"]+)"', generator().PREDICT)
     routes = {*metrics.INFER_ROUTES, metrics.GRPC_INFER}

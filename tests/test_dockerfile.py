@@ -10,9 +10,10 @@ import subprocess
 from pathlib import Path
 
 import yaml
-from imgserve.config import Settings
 from serving import REPO
 from tools import tool
+
+from imgserve.config import Settings
 
 DOCKERFILE = REPO / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from imgserve.errors import install_handlers
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.routing import Route
 from starlette.testclient import TestClient
+
+from imgserve.errors import install_handlers
 
 
 async def boom(request: Request) -> None:

@@ -10,10 +10,11 @@ from collections.abc import Iterator
 
 import litserve as ls
 import pytest
-from imgserve.handoff.state import SharedState
-from imgserve.worker.gather import IDLE_WAIT_S, GatheringLoop
 from litserve.loops.base import _SENTINEL_VALUE, _StopLoopError
 from litserve.transport.process_transport import MPQueueTransport
+
+from imgserve.handoff.state import SharedState
+from imgserve.worker.gather import IDLE_WAIT_S, GatheringLoop
 
 
 class Echo(ls.LitAPI):

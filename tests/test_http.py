@@ -11,9 +11,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from imgserve.config import MAX_CPU_WORKERS, usable_cpus
 from PIL import Image
 from serving import Server, image_bytes
+
+from imgserve.config import MAX_CPU_WORKERS, usable_cpus
 
 SIZES = [(64, 48), (96, 96), (128, 80), (33, 71), (160, 120), (48, 64), (100, 100), (17, 23)]
 
@@ -62,6 +63,7 @@ def test_raw_body_and_v1_alias(server: Server) -> None:
 def test_denoises_over_http(server: Server) -> None:
     """The served model really restores: its answer is closer to the clean image than the noisy upload."""
     import numpy as np
+
     from imgserve.models.synthetic import add_noise, clean_image, psnr
 
     rng = np.random.default_rng(7)

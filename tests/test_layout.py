@@ -1,9 +1,11 @@
-"""The package's shape: imports run one way (front end -> hand-off <- worker), nothing imports the composition root
-but the command that runs it, no import cycles in the package or in loadtests/, and nothing installed as `service`."""
+"""The package's shape: every folder a regular package that says which process runs it; imports run one way (front
+end -> hand-off <- worker); no cycle between modules or between rooms (top-level modules and subpackages); nothing
+imports the composition root but the command that runs it; no cycles in loadtests/; nothing installed as `service`."""
 
 from __future__ import annotations
 
 import ast
+import pkgutil
 import subprocess
 import sys
 import zipfile
@@ -21,7 +23,7 @@ ROLES = {
     "models": set(),
     "tools": {"models"},
 }
-SHARED = {"imgserve", "imgserve.config", "imgserve.errors", "imgserve.heap", "imgserve.metrics"}
+SHARED = {"imgserve", "imgserve.config", "imgserve.errors", "imgserve.heap", "imgserve.metrics", "imgserve.pod"}
 ENTRY_POINTS = {"imgserve.cli", "imgserve.__main__"}  # the command may start the server; nothing else imports it
 
 
@@ -72,6 +74,20 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def room(module: str) -> str:
+    """A module's room: its top-level module or subpackage of the package (`imgserve.frontend.v2.http` ->
+    `imgserve.frontend`)."""
+    return ".".join(module.split(".")[:2])
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Room -> the other rooms its modules import."""
+    rooms: dict[str, set[str]] = {room(module): set() for module in graph}
+    for module, targets in graph.items():
+        rooms[room(module)] |= {room(target) for target in targets} - {room(module)}
+    return rooms
+
+
 def role(module: str) -> str | None:
     parts = module.split(".")
     return parts[1] if len(parts) > 2 and parts[1] in ROLES else None
@@ -79,6 +95,23 @@ def role(module: str) -> str | None:
 
 def test_the_package_has_no_import_cycles() -> None:
     assert cycles(import_graph(SOURCE, "imgserve")) == []
+
+
+def test_no_cycle_between_rooms() -> None:
+    assert cycles(room_graph(import_graph(SOURCE, "imgserve"))) == []
+
+
+def test_every_folder_is_a_regular_package_that_says_who_runs_it() -> None:
+    folders = [path for path in PACKAGE.rglob("*") if path.is_dir() and path.name != "__pycache__"]
+    assert folders, "no subpackages found"
+    for folder in [PACKAGE, *folders]:
+        init = folder / "__init__.py"
+        assert init.is_file(), f"{folder} is not a regular package"
+        docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "process" in docstring or folder == PACKAGE, f"{init} does not say which process runs it"
+    seen = {name for _, name, _ in pkgutil.walk_packages([str(PACKAGE)], "imgserve.")}
+    files = set(import_graph(SOURCE, "imgserve")) - {"imgserve"}
+    assert files <= seen, f"pkgutil does not see {sorted(files - seen)}"
 
 
 def test_imports_run_one_way() -> None:
@@ -112,6 +145,20 @@ def test_the_checker_sees_a_wrong_way_import(tmp_path: Path) -> None:
     assert cycles(graph) == [["imgserve.frontend.routes", "imgserve.worker.api", "imgserve.frontend.routes"]]
 
 
+def test_the_checker_sees_a_cycle_between_rooms(tmp_path: Path) -> None:
+    """Two modules that import each other's rooms, not each other: no module cycle, a room cycle."""
+    tree = tmp_path / "imgserve"
+    (tree / "handoff").mkdir(parents=True)
+    for init in (tree / "__init__.py", tree / "handoff" / "__init__.py"):
+        init.write_text("")
+    (tree / "metrics.py").write_text("from imgserve.handoff import slots\n")
+    (tree / "handoff" / "slots.py").write_text("x = 1\n")
+    (tree / "handoff" / "dispatch.py").write_text("from imgserve import metrics\n")
+    graph = import_graph(tmp_path, "imgserve")
+    assert cycles(graph) == []
+    assert cycles(room_graph(graph)) == [["imgserve.handoff", "imgserve.metrics", "imgserve.handoff"]]
+
+
 def test_loadtests_have_no_import_cycles() -> None:
     assert cycles(import_graph(REPO, "loadtests")) == []
 
@@ -127,4 +174,4 @@ def test_the_wheel_installs_imgserve_and_nothing_named_service(tmp_path: Path) -
     (wheel,) = tmp_path.glob("imgserve-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {name.split("/")[0] for name in names if not name.startswith("imgserve-")} == {"imgserve"}
-    assert "imgserve/models/weights/denoiser.safetensors" in names and "imgserve/__main__.py" in names
+    assert "imgserve/models/denoiser.safetensors" in names and "imgserve/__main__.py" in names

@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from imgserve.models.loader import ModelLoadError, load_model
 from serving import start_server, stop_server
 from torch import nn
+
+from imgserve.models.loader import ModelLoadError, load_model
 
 Entries = dict[str, bytes]  # an archive's entries, by their name under its root folder
 

@@ -8,13 +8,14 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
-from imgserve.models.denoiser import Denoiser, build_denoiser
-from imgserve.models.loader import ModelLoadError, load_model
-from imgserve.tools.train import evaluate, train
 from PIL import Image
 from safetensors.torch import save_file
 from serving import image_bytes, running_server
 from toy_models import TinyClassifier
+
+from imgserve.models.denoiser import Denoiser, build_denoiser
+from imgserve.models.loader import ModelLoadError, load_model
+from imgserve.tools.train import evaluate, train
 
 
 def test_shipped_denoiser_raises_psnr() -> None:

@@ -14,6 +14,9 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from litserve.utils import LitAPIStatus, LoopResponseType
+from serving import image_bytes, start_server, stop_server, wait_ready
+
 from imgserve.config import Settings, TorchThreads
 from imgserve.errors import ApiError
 from imgserve.handoff import slots as pixel_slots
@@ -28,9 +31,6 @@ from imgserve.models.denoiser import build_denoiser
 from imgserve.models.shared import SharedWeights
 from imgserve.worker.api import ImageAPI, WorkerPlan
 from imgserve.worker.batching import BatchRunner, InMemory
-from litserve.utils import LitAPIStatus, LoopResponseType
-from serving import image_bytes, start_server, stop_server, wait_ready
-
 from loadtests.closed_loop import run_closed_loop
 from loadtests.images import square_jpegs
 

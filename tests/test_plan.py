@@ -17,10 +17,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from serving import running_server
+
 from imgserve.cli import main
 from imgserve.tools.plan import hpa, inputs, report
 from imgserve.tools.plan.simulate import simulate
-from serving import running_server
 
 DATA = Path(__file__).parent / "plan_data"
 REPO = Path(__file__).parent.parent

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from PIL import Image
+from reference import IMAGENET_MEAN, IMAGENET_STD, photo, to_tensor, torchvision_by_hand
+
 from imgserve.config import Settings
 from imgserve.frontend.codec import decode_image
 from imgserve.models.preprocess import Geometry, Preprocess
 from imgserve.worker.batching import BatchRunner, InMemory
-from PIL import Image
-from reference import IMAGENET_MEAN, IMAGENET_STD, photo, to_tensor, torchvision_by_hand
 
 
 @pytest.mark.parametrize(("width", "height"), [(500, 375), (333, 501), (259, 256), (300, 398), (1001, 257), (256, 256)])

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import re
 
-from imgserve.config import Settings
 from serving import REPO
+
+from imgserve.config import Settings
 
 README = (REPO / "README.md").read_text()
 MAX_LINES = 220

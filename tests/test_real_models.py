@@ -13,10 +13,6 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from imgserve.frontend.render import mask_on_original
-from imgserve.models import outputs
-from imgserve.models.loader import ModelLoadError
-from imgserve.models.preprocess import Preprocess
 from PIL import Image
 from real_shapes import (
     CLASSES,
@@ -33,6 +29,11 @@ from real_shapes import (
 from reference import from_tensor, photo, to_tensor, torchvision_by_hand
 from safetensors.torch import save_file
 from serving import SOURCE, TESTS, Server, free_port, image_bytes, running_server, stop_server, wait_ready
+
+from imgserve.frontend.render import mask_on_original
+from imgserve.models import outputs
+from imgserve.models.loader import ModelLoadError
+from imgserve.models.preprocess import Preprocess
 
 PNG = {"Content-Type": "image/png"}
 

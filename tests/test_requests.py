@@ -13,6 +13,7 @@ from queue import Empty
 from typing import Any
 
 import pytest
+
 from imgserve.handoff.requests import RequestSocket
 
 SPAWN = mp.get_context("spawn")  # as LitServe starts its inference workers

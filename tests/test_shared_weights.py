@@ -21,16 +21,16 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from imgserve.config import Settings
-from imgserve.models.denoiser import build_denoiser
-from imgserve.models.loader import adopt, load_model
-from imgserve.models.shared import prepare
-from imgserve.worker.batching import BatchRunner, InMemory
 from PIL import Image
 from safetensors.torch import save_file
 from serving import Server, image_bytes, running_server
 from test_models import _save_formats
 
+from imgserve.config import Settings
+from imgserve.models.denoiser import build_denoiser
+from imgserve.models.loader import adopt, load_model
+from imgserve.models.shared import prepare
+from imgserve.worker.batching import BatchRunner, InMemory
 from loadtests.closed_loop import run_closed_loop
 from loadtests.toy_models import heavy_weights, light_weights
 

@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from imgserve.cli import _add_settings_flags
-from imgserve.config import Settings
-from imgserve.models.loader import ModelLoadError, load_model
 from real_shapes import FixedSizeClassifier, Unservable
 from safetensors.torch import save_file
 from serving import SOURCE, TESTS, start_server, stop_server
+
+from imgserve.cli import _add_settings_flags
+from imgserve.config import Settings
+from imgserve.models.loader import ModelLoadError, load_model
 
 
 def test_boolean_settings_are_bare_flags_with_no_variants() -> None:

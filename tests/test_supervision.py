@@ -14,7 +14,6 @@ from urllib.parse import urlsplit
 
 import httpx
 import psutil
-from imgserve.handoff.state import SharedState
 from serving import (
     Server,
     image_bytes,
@@ -26,6 +25,7 @@ from serving import (
     wait_until,
 )
 
+from imgserve.handoff.state import SharedState
 from loadtests.closed_loop import run_closed_loop
 
 PNG = {"Content-Type": "image/png"}

@@ -9,10 +9,11 @@ import random
 import msgpack
 import numpy as np
 import pytest
+from litserve.utils import LitAPIStatus, LoopResponseType
+
 from imgserve.errors import ApiError
 from imgserve.handoff import wire
 from imgserve.handoff.slots import InSlot
-from litserve.utils import LitAPIStatus, LoopResponseType
 
 REQUEST = (1, "3f2a-uid", 12.5, {"slot": [3, 17], "shape": [512, 512, 3], "deadline": 42.0, "admitted": 11.0})
 OUTPUTS = [

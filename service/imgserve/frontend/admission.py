@@ -14,11 +14,13 @@ import re
 import time
 from collections.abc import Callable
 
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
 from imgserve.config import Settings
 from imgserve.errors import ApiError
+from imgserve.frontend.telemetry import INFER_ROUTES, route
 from imgserve.handoff.state import SharedState
-from imgserve.metrics import INFER_ROUTES, REJECTED, route
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from imgserve.metrics import REJECTED
 
 SHED_MESSAGES = {"draining": "the server is shutting down", "queue_full": "the queue is full"}
 SECONDS = re.compile(r"\d+(\.\d*)?|\.\d+")

@@ -5,9 +5,10 @@ from __future__ import annotations
 import io
 
 import numpy as np
+from PIL import Image, ImageOps, UnidentifiedImageError
+
 from imgserve.errors import ApiError
 from imgserve.models.preprocess import Prepared, Preprocess
-from PIL import Image, ImageOps, UnidentifiedImageError
 
 # We check the pixel count ourselves (413), before Pillow decodes anything.
 Image.MAX_IMAGE_PIXELS = None

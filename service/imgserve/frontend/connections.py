@@ -27,11 +27,13 @@ import time
 from typing import Any, ClassVar
 
 import httptools
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
 from imgserve import metrics
 from imgserve.config import Settings
 from imgserve.errors import ApiError
+from imgserve.frontend import telemetry
 from imgserve.frontend.admission import SHED_MESSAGES, Admission
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 HOLD_JITTER = 1.0  # a held 503 waits up to this share of Retry-After more than Retry-After itself
 MAX_HOLD_DOUBLINGS = 2  # a client back early again and again waits 1, 2, then 4x Retry-After (plus the jitter)
@@ -101,7 +103,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         refusals |= {
             f"{key}+v2": (e, raw_response(e, "keep-alive" not in key, v2=True)) for key, (e, _) in refusals.items()
         }
-        shed_counts = {route: metrics.REQUESTS.labels(route, "503") for route in metrics.INFER_ROUTES}
+        shed_counts = {route: metrics.REQUESTS.labels(route, "503") for route in telemetry.INFER_ROUTES}
         attributes = {"settings": settings, "admission": admission, "refusals": refusals, "shed_counts": shed_counts}
         return type(cls.__name__, (cls,), attributes)
 
@@ -237,7 +239,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _shed_here(self) -> bool:
         """Answer 503 now, without ASGI, if this is an inference request the pod cannot take."""
-        route = metrics.route(self.url.partition(b"?")[0].decode("latin-1"))
+        route = telemetry.route(self.url.partition(b"?")[0].decode("latin-1"))
         if route not in self.shed_counts or self.parser.get_method() != b"POST":
             return False
         if self.cycle and not self.cycle.response_complete:  # pipelined: answers must keep their order
@@ -249,7 +251,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         self._shed = True
         # Skip the body and keep the connection, unless the body is unbounded or will never come (Expect: 100).
         if not self.expect_100_continue and self._declared_length() <= self.settings.max_body_bytes:
-            envelope = "+v2" if route == metrics.V2_INFER else ""
+            envelope = "+v2" if route == telemetry.V2_INFER else ""
             self._shed_keeping_connection(self.refusals[f"{reason}+keep-alive{envelope}"][1])
         else:
             self._refuse(reason)

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import anyio
 import numpy as np
+
 from imgserve.config import Settings, usable_cpus
 from imgserve.errors import ApiError
 from imgserve.frontend import codec

@@ -5,13 +5,14 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import numpy as np
+from PIL import Image
+from starlette.responses import JSONResponse, Response
+
 from imgserve.config import Settings
 from imgserve.errors import ApiError
 from imgserve.frontend import codec
 from imgserve.models.outputs import UNSEEN
 from imgserve.models.preprocess import Geometry
-from PIL import Image
-from starlette.responses import JSONResponse, Response
 
 
 class Params(Protocol):

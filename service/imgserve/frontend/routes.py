@@ -5,12 +5,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from imgserve.config import Settings
-from imgserve.errors import ApiError
-from imgserve.frontend.inference import Inference
-from imgserve.frontend.render import Renderer
-from imgserve.handoff.state import SharedState
-from imgserve.models import outputs
 from litserve.utils import WorkerSetupStatus
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from python_multipart.multipart import parse_options_header
@@ -18,6 +12,13 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+
+from imgserve.config import Settings
+from imgserve.errors import ApiError
+from imgserve.frontend.inference import Inference
+from imgserve.frontend.render import Renderer
+from imgserve.handoff.state import SharedState
+from imgserve.models import outputs
 
 MAX_LISTED_PROBLEMS = 5
 

@@ -17,10 +17,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from imgserve.errors import ApiError
-from imgserve.handoff import wire
 from litserve.transport.base import MessageTransport
 from litserve.utils import LitAPIStatus
+
+from imgserve.errors import ApiError
+from imgserve.handoff import wire
 
 log = logging.getLogger(__name__)
 BUFFER_BYTES = 4 * 1024 * 1024  # asked of the kernel for both ends (capped by net.core.[rw]mem_max)

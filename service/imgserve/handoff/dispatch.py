@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from litserve.utils import LitAPIStatus
+
 from imgserve import heap, metrics
 from imgserve.errors import ApiError
 from imgserve.handoff.answers import FrontEndAnswers
 from imgserve.handoff.slots import InSlot, SlotFiles
 from imgserve.handoff.state import SharedState
-from litserve.utils import LitAPIStatus
 
 log = logging.getLogger(__name__)
 WORKER_CHECK_S = 0.25  # how often a waiting request looks for its worker's death

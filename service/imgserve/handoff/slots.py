@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from imgserve.errors import ApiError
 
 KEEP_BYTES = 16 * 1024 * 1024  # a slot that carried more is emptied when freed, so a burst of huge images ends

@@ -17,9 +17,10 @@ from typing import Any
 
 import msgpack
 import numpy as np
+from litserve.utils import LoopResponseType
+
 from imgserve.errors import ApiError
 from imgserve.handoff.slots import InSlot
-from litserve.utils import LoopResponseType
 
 ERROR, IN_SLOT, ARRAY = 1, 2, 3  # the extension type codes
 ARRAY_KINDS = "biuf"  # booleans, integers, floats: nothing that holds Python objects

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-WEIGHTS = Path(__file__).parent / "weights" / "denoiser.safetensors"
+WEIGHTS = Path(__file__).with_suffix(".safetensors")  # shipped beside this module
 
 
 class Denoiser(nn.Module):

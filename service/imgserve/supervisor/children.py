@@ -15,9 +15,10 @@ import time
 from multiprocessing.process import BaseProcess
 from typing import Protocol
 
+from prometheus_client import multiprocess
+
 from imgserve import metrics
 from imgserve.supervisor.lifecycle import POLL_S, ManagedServer, drain_then_stop
-from prometheus_client import multiprocess
 
 log = logging.getLogger(__name__)
 MAX_WORKER_RESTARTS = 3  # in the server's lifetime

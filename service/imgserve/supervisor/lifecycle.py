@@ -15,9 +15,10 @@ import time
 from types import FrameType
 from typing import Protocol
 
+from litserve.server import _Server
+
 from imgserve.config import Settings
 from imgserve.handoff.state import SharedState
-from litserve.server import _Server
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2

@@ -6,9 +6,10 @@ import argparse
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
+
 from imgserve.models.denoiser import WEIGHTS, Denoiser
 from imgserve.models.synthetic import add_noise, clean_image, psnr
-from safetensors.torch import save_file
 
 
 def _batch(rng: np.random.Generator, size: int, patch: int) -> tuple[torch.Tensor, torch.Tensor]:

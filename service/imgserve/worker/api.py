@@ -18,6 +18,7 @@ from typing import Any
 import litserve as ls
 import numpy as np
 import torch
+
 from imgserve import heap, metrics
 from imgserve.config import Settings, TorchThreads
 from imgserve.errors import ApiError

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+
 from imgserve.config import Settings
 from imgserve.errors import ApiError
 from imgserve.models import outputs, preprocess

@@ -19,7 +19,6 @@ import time
 from queue import Empty, Queue
 from typing import Any
 
-from imgserve.handoff.state import SharedState
 from litserve import LitAPI
 from litserve.callbacks import CallbackRunner
 from litserve.loops import BatchedLoop
@@ -27,6 +26,8 @@ from litserve.loops.base import _SENTINEL_VALUE, _StopLoopError
 from litserve.specs.base import LitSpec
 from litserve.transport.base import MessageTransport
 from litserve.utils import LitAPIStatus, LoopResponseType
+
+from imgserve.handoff.state import SharedState
 
 log = logging.getLogger(__name__)
 

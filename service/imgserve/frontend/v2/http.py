@@ -12,15 +12,16 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
 from imgserve.errors import ApiError
 from imgserve.frontend.inference import INLINE_CODEC_BYTES
 from imgserve.frontend.v2 import tensors
 from imgserve.frontend.v2.model import VERSION, ServedModel
 from imgserve.frontend.v2.tensors import InferRequest, RequestedOutput, Tensor
-from starlette.concurrency import run_in_threadpool
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
 ANY_ZLIB_HEADER = 32 + zlib.MAX_WBITS  # gzip or zlib, told apart by the header

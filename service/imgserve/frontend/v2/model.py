@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from imgserve import __version__
 from imgserve.config import Settings
 from imgserve.errors import ApiError

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from imgserve.errors import ApiError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from imgserve.errors import ApiError
 
 DTYPES: dict[str, np.dtype] = {
     name: np.dtype(kind).newbyteorder("<")

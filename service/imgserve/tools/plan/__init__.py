@@ -1,6 +1,7 @@
 """`imgserve plan`: replay a load profile through the chart's HPA/KEDA settings before deploying.
 
 inputs (values, capacity, profile) -> simulate (the cluster second by second, the autoscaler per hpa) -> report.
+Runs in the `imgserve plan` process alone, never beside a server.
 """
 
 from __future__ import annotations

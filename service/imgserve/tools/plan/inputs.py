@@ -12,8 +12,9 @@ from typing import Literal
 
 import numpy as np
 import yaml
-from imgserve.tools.plan.hpa import Behavior, behavior
 from pydantic import BaseModel
+
+from imgserve.tools.plan.hpa import Behavior, behavior
 
 CHART_VALUES = Path(__file__).resolve().parents[2] / "charts" / "imgserve" / "values.yaml"
 

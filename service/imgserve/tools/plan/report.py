@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from imgserve.tools.plan.inputs import Autoscaler, PodModel
 from imgserve.tools.plan.simulate import Timeline
 

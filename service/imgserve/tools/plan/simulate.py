@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
+
 from imgserve.tools.plan.hpa import (
     SYNC_PERIOD_S,
     Event,
