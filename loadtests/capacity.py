@@ -22,8 +22,8 @@ from typing import Any
 
 import httpx
 
-from loadtests.closed_loop import run_closed_loop
-from loadtests.scrape import GPU_UTILIZATION, QUEUE_DEPTH, MetricsScraper
+from loadtests.lib.closed_loop import run_closed_loop
+from loadtests.lib.scrape import GPU_UTILIZATION, QUEUE_DEPTH, MetricsScraper
 
 VERSION = 1
 

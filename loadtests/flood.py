@@ -10,9 +10,10 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from loadtests.closed_loop import LoadResult, run_closed_loop
-from loadtests.report import machine
-from loadtests.servers import ResourceSampler, free_port, imgserve_command, running_server
+from imgserve.testing import free_port, serve_command
+from loadtests.lib.closed_loop import LoadResult, run_closed_loop
+from loadtests.lib.report import machine
+from loadtests.lib.servers import ResourceSampler, running_server
 
 SETTINGS = {"IMGSERVE_MAX_BATCH_SIZE": "4", "IMGSERVE_MAX_QUEUE_DEPTH": "8"}
 
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     with (
         tempfile.TemporaryDirectory() as logs,
-        running_server(imgserve_command(port), port, Path(logs) / "server.log", "/health/ready", SETTINGS) as server,
+        running_server(serve_command(port), port, Path(logs) / "server.log", "/health/ready", SETTINGS) as server,
     ):
         url = f"{server.url}/predict"
         run_closed_loop(url, users=args.users, seconds=2)  # warm-up

@@ -31,11 +31,12 @@ import torch
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
+from imgserve.testing import RunningServer, free_port, serve_command
 from loadtests import overhead
-from loadtests.closed_loop import run_closed_loop
-from loadtests.images import SampleImage, square_jpegs
-from loadtests.report import machine
-from loadtests.servers import Periodic, RunningServer, free_port, imgserve_command, running_server
+from loadtests.lib.closed_loop import run_closed_loop
+from loadtests.lib.images import SampleImage, square_jpegs
+from loadtests.lib.report import machine
+from loadtests.lib.servers import Periodic, running_server
 
 REPO = Path(__file__).resolve().parent.parent
 PASS, FAIL, SKIPPED, INFO, ERROR = "pass", "fail", "skipped", "info", "error"
@@ -44,7 +45,7 @@ SEED_GOAL = 1.2
 SEED_WARMUP_ROUNDS = 5
 FLOOD_REQUESTS, FLOOD_USERS, FLOOD_FRACTION = 1000, 200, 0.5
 OOM_REQUESTS = 32
-SHARED_W = 256 * 2**20  # the weights of loadtests.toy_models:heavy_weights
+SHARED_W = 256 * 2**20  # the weights of loadtests.lib.toy_models:heavy_weights
 SHARED_BOUND = SHARED_W / 10
 NVML_METRICS = ("imgserve_gpu_utilization_ratio", "imgserve_gpu_memory_used_bytes", "imgserve_gpu_memory_total_bytes")
 
@@ -116,7 +117,7 @@ def imgserve(context: Context, name: str, **settings: str) -> Iterator[RunningSe
     env = {f"IMGSERVE_{key.upper()}": value for key, value in settings.items()}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     log = context.log_dir / f"{name}.log"
-    with running_server(imgserve_command(port), port, log, "/health/ready", env) as server:
+    with running_server(serve_command(port), port, log, "/health/ready", env) as server:
         yield server
 
 
@@ -268,7 +269,11 @@ def check_oom_split(context: Context) -> list[Row]:
     """A model that runs out of memory on every batch of 2+: batches are split, every request still answered."""
     weights = context.log_dir / "empty-state.pt"
     torch.save({}, weights)
-    settings = {"model": str(weights), "model_factory": "loadtests.toy_models:batch_hungry", "batch_timeout_ms": "50"}
+    settings = {
+        "model": str(weights),
+        "model_factory": "loadtests.lib.toy_models:batch_hungry",
+        "batch_timeout_ms": "50",
+    }
     with imgserve(context, "oom", **settings) as server:
         before = metric_samples(server).get("imgserve_oom_splits_total", 0.0)
         result = run_closed_loop(
@@ -296,7 +301,7 @@ def check_shared_weights(context: Context) -> list[Row]:
     a worker is killed, with private copies as the negative control; the 3 workers' answers vs 1 worker's."""
     from safetensors.torch import save_file
 
-    from loadtests.toy_models import heavy_weights, light_weights
+    from loadtests.lib.toy_models import heavy_weights, light_weights
 
     files = {}
     for name, build in (("heavy", heavy_weights), ("light", light_weights)):
@@ -313,7 +318,7 @@ def check_shared_weights(context: Context) -> list[Row]:
     ):
         for workers in (1, 3):
             settings = {"model": str(files["light" if name == "light" else "heavy"]), "share_weights": share}
-            settings |= {"model_factory": f"loadtests.toy_models:{factory}", "workers_per_device": str(workers)}
+            settings |= {"model_factory": f"loadtests.lib.toy_models:{factory}", "workers_per_device": str(workers)}
             with imgserve(context, f"shared-{name}-{workers}", **settings) as server:
                 used[name, workers] = gpu_memory_used(server, image)
                 if name == "heavy":

@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
-from loadtests.closed_loop import LoadResult, run_closed_loop
-from loadtests.images import square_jpegs
+from imgserve.testing import free_port, serve_command
+from loadtests.lib.closed_loop import LoadResult, run_closed_loop
+from loadtests.lib.images import square_jpegs
+from loadtests.lib.report import failures_seen, machine, publish
+from loadtests.lib.servers import running_server
 from loadtests.overhead import InProcess, measure_inprocess, write_clamp_model
-from loadtests.report import failures_seen, machine, publish
-from loadtests.servers import free_port, imgserve_command, running_server
 
 
 class DenoiserInProcess(InProcess):
@@ -80,7 +81,7 @@ def measure(case: Case, pipeline: InProcess, model: str, seconds: float, log_dir
     port = free_port()
     env = {"IMGSERVE_MODEL": model}
     log = log_dir / f"latency-{case.name}-{case.side}.log"
-    with running_server(imgserve_command(port), port, log, "/health/ready", env) as server:
+    with running_server(serve_command(port), port, log, "/health/ready", env) as server:
         result = run_closed_loop(server.url + "/predict", 1, seconds, min(2.0, seconds / 3), images=images)
     after = measure_inprocess(pipeline, images, 1, seconds).median_ms
     return Row(case, min(before, after), result)

@@ -16,7 +16,7 @@ from locust import FastHttpUser, LoadTestShape, events, task
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for `loadtests`
 
-from loadtests.images import (  # noqa: E402
+from loadtests.lib.images import (  # noqa: E402
     ANSWERED,
     MAX_RETRY_AFTER_S,
     REJECT_STATUSES,
@@ -24,7 +24,7 @@ from loadtests.images import (  # noqa: E402
     rejected_name,
     sample_images,
 )
-from loadtests.shapes import SHAPES  # noqa: E402
+from loadtests.lib.shapes import SHAPES  # noqa: E402
 
 _user_numbers = itertools.count()
 

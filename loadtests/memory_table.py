@@ -20,9 +20,10 @@ from pathlib import Path
 
 import httpx
 
-from loadtests.images import sample_images
-from loadtests.report import machine
-from loadtests.servers import RunningServer, free_port, imgserve_command, running_server
+from imgserve.testing import RunningServer, free_port, serve_command
+from loadtests.lib.images import sample_images
+from loadtests.lib.report import machine
+from loadtests.lib.servers import running_server
 
 MIB = 2**20
 WORKERS = (1, 2, 4)
@@ -47,20 +48,20 @@ def measure(settings: dict[str, str], log_dir: Path) -> tuple[int, dict]:
     port = free_port()
     env = {f"IMGSERVE_{key.upper()}": value for key, value in settings.items()}
     log = log_dir / f"imgserve-{port}.log"
-    with running_server(imgserve_command(port), port, log, "/health/ready", env) as server:
+    with running_server(serve_command(port), port, log, "/health/ready", env) as server:
         return settled_pss(server), httpx.get(server.url + "/info", timeout=10).json()
 
 
 def table(log_dir: Path) -> str:
     from safetensors.torch import save_file
 
-    from loadtests.toy_models import heavy_weights
+    from loadtests.lib.toy_models import heavy_weights
 
     heavy = log_dir / "heavy.safetensors"
     save_file(heavy_weights().state_dict(), str(heavy))
     models = {
         "built-in denoiser": {},
-        "256 MiB model": {"model": str(heavy), "model_factory": "loadtests.toy_models:heavy_weights"},
+        "256 MiB model": {"model": str(heavy), "model_factory": "loadtests.lib.toy_models:heavy_weights"},
     }
     rows = []
     overheads: dict[str, float] = {}

@@ -31,10 +31,11 @@ import torch
 from PIL import Image
 
 from imgserve.config import Settings
-from loadtests.closed_loop import LoadResult, run_closed_loop
-from loadtests.images import SampleImage, square_jpegs
-from loadtests.report import failures_seen, machine, publish
-from loadtests.servers import CpuWindow, ResourceSampler, RunningServer, free_port, imgserve_command, running_server
+from imgserve.testing import RunningServer, free_port, serve_command
+from loadtests.lib.closed_loop import LoadResult, run_closed_loop
+from loadtests.lib.images import SampleImage, square_jpegs
+from loadtests.lib.report import failures_seen, machine, publish
+from loadtests.lib.servers import CpuWindow, ResourceSampler, running_server
 
 SIDES = (128, 512, 1024)
 CONCURRENCIES = (1, 16, 64)
@@ -248,7 +249,7 @@ def run_overhead(plan: Plan, log_dir: Path, env: dict[str, str] | None = None) -
     device = "cuda" if torch.cuda.is_available() else "cpu"
     pipeline = InProcess(model_path, device)
     port = free_port()
-    command, settings = imgserve_command(port), {**(env or {}), "IMGSERVE_MODEL": str(model_path)}
+    command, settings = serve_command(port), {**(env or {}), "IMGSERVE_MODEL": str(model_path)}
     limits, cells = {}, []
     with running_server(command, port, log_dir / "overhead-imgserve.log", "/health/ready", settings) as server:
         info = server_info(server)

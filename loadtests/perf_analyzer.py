@@ -23,9 +23,10 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from loadtests.closed_loop import run_closed_loop
-from loadtests.images import square_jpegs
-from loadtests.servers import LOOPBACK, free_port, imgserve_command, running_server
+from imgserve.testing import LOOPBACK, free_port, serve_command
+from loadtests.lib.closed_loop import run_closed_loop
+from loadtests.lib.images import square_jpegs
+from loadtests.lib.servers import running_server
 
 PERF_ANALYZER = "2.60.0"
 IMAGE = f"localhost/imgserve-perf-analyzer:{PERF_ANALYZER}"
@@ -153,7 +154,7 @@ def measure(args: argparse.Namespace, work: Path) -> list[Point]:
     port, grpc_port = free_port(), free_port()
     env = {"IMGSERVE_MAX_QUEUE_DEPTH": str(4 * args.compare)}  # c=64 is admitted, not shed
     points: list[Point] = []
-    with running_server(imgserve_command(port, grpc_port), port, work / "server.log", "/health/ready", env):
+    with running_server(serve_command(port, grpc_port), port, work / "server.log", "/health/ready", env):
         for protocol, target in (("http", port), ("grpc", grpc_port)):
             points += perf_analyzer(work, protocol, target, args.sweep, args.interval_ms)
         compare = f"{args.compare}:{args.compare}"

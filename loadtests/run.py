@@ -11,9 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from loadtests.plot import plot_run
-from loadtests.scrape import QUEUE_DEPTH, MetricsScraper
-from loadtests.shapes import SHAPES
+from loadtests.lib.plot import plot_run
+from loadtests.lib.scrape import QUEUE_DEPTH, MetricsScraper
+from loadtests.lib.shapes import SHAPES
 
 LOCUSTFILE = Path(__file__).with_name("locustfile.py")
 SHUTDOWN_GRACE_S = 60

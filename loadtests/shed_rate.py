@@ -23,7 +23,8 @@ import torch
 from PIL import Image
 from safetensors.torch import save_file
 
-from loadtests.servers import LOOPBACK, free_port, imgserve_command, running_server
+from imgserve.testing import LOOPBACK, free_port, serve_command
+from loadtests.lib.servers import running_server
 
 
 class Stall(torch.nn.Module):
@@ -90,7 +91,7 @@ def measure(users: int, seconds: float) -> dict[str, float]:
             "IMGSERVE_MAX_QUEUE_DEPTH": "1",
             "IMGSERVE_LOG_LEVEL": "warning",
         }
-        command = imgserve_command(port)
+        command = serve_command(port)
         with running_server(command, port, Path(directory) / "log", "/health/ready", env) as server:
             processes = server.tree()  # the stalled worker and the queue manager idle: the CPU is the front end's
             held = httpx.AsyncClient(timeout=120)

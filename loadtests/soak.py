@@ -27,9 +27,10 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from loadtests.images import SampleImage, synthetic_image
-from loadtests.report import machine
-from loadtests.servers import Periodic, RunningServer, free_port, imgserve_command, running_server
+from imgserve.testing import RunningServer, free_port, serve_command
+from loadtests.lib.images import SampleImage, synthetic_image
+from loadtests.lib.report import machine
+from loadtests.lib.servers import Periodic, running_server
 
 SIDES = (64, 128, 256, 512, 768, 1024)
 CORRUPT_SHARE, GIVE_UP_SHARE, GIVE_UP_S = 0.1, 0.1, 0.005
@@ -171,7 +172,7 @@ def soak(minutes: float, users: int, settings: dict[str, str], log: Path) -> Soa
     """Start imgserve, sample PSS idle, under the load and after it."""
     port = free_port()
     env = {f"IMGSERVE_{key.upper()}": value for key, value in settings.items()}
-    with running_server(imgserve_command(port), port, log, "/health/ready", env) as server:
+    with running_server(serve_command(port), port, log, "/health/ready", env) as server:
         url = server.url + "/predict"
         run_load(url, users=2, seconds=5)  # every worker warm, every code path taken once
         time.sleep(10)

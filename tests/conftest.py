@@ -33,7 +33,7 @@ def stub(server: Server) -> Iterator[Any]:
 
 @pytest.fixture
 def toy_model(tmp_path: Path) -> Callable[[str], dict[str, str]]:
-    """Settings that serve tests/toy_models.py:<name> from a safetensors file written for it."""
+    """Settings that serve tests/support/toy_models.py:<name> from a safetensors file written for it."""
 
     def settings_for(name: str) -> dict[str, str]:
         import toy_models

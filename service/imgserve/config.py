@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import math
-import os
 from pathlib import Path
-from typing import Annotated, Literal, NamedTuple
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 BUILTIN_MODEL = "builtin:denoiser"
+# The bounds of the `auto` settings (pod.py decides them within these; the settings' help names them).
 MAX_CPU_WORKERS = 4
 MAX_GPU_WORKERS = 4
 GPU_BUSY_GOAL = 0.9  # workers_per_device auto on a GPU: the share of time the GPU should have work
 MAX_FRONT_ENDS = 4
 CPU_FRONT_ENDS = 2  # api_servers auto on a CPU (at most one per core)
-CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
 # torchvision's ImageNet weight transforms (ImageClassification preset): what --preprocess imagenet sets.
 PRESETS: dict[str, dict[str, object]] = {
     "imagenet": {
@@ -32,45 +29,9 @@ PRESETS: dict[str, dict[str, object]] = {
 Channels = Annotated[tuple[float, float, float], NoDecode]  # "R,G,B" from a flag or an environment variable
 
 
-def usable_cpus() -> int:
-    """CPUs this process may use: its affinity mask, capped by a cgroup v2 CPU quota (a container's CPU limit)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    with contextlib.suppress(OSError, ValueError):
-        quota, period = CGROUP_CPU_MAX.read_text().split()
-        if quota != "max":
-            cpus = min(cpus, max(1, int(quota) // int(period)))
-    return cpus
-
-
-def passive_openmp() -> None:
-    """Workers spawned from now on: OpenMP threads sleep when they wait instead of spinning (GNU OpenMP spins up to
-    ~300k iterations, milliseconds, after every parallel region), unless the user chose a policy."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-
-def gpu_workers_for(cpu_s: float, device_s: float) -> int:
-    """Workers per GPU for `workers_per_device auto`, from one batch's seconds of a worker's own CPU work (filling
-    the batch, taking the results apart) and of the model on the GPU. A worker does the two in turn, so alone it
-    keeps the GPU busy device/(cpu + device) of the time; k workers overlap one's CPU work with another's model
-    call: the fewest that reach GPU_BUSY_GOAL, at most MAX_GPU_WORKERS and half the cores (the front ends decode on
-    the others). Extra workers cost a CUDA context each, not another copy of the weights."""
-    if device_s <= 0:
-        return 1
-    wanted = math.ceil(GPU_BUSY_GOAL * (cpu_s + device_s) / device_s)
-    return max(1, min(wanted, MAX_GPU_WORKERS, usable_cpus() // 2))
-
-
 def _without_traceback(record: logging.LogRecord) -> bool:
     record.exc_info = record.exc_text = None
     return True
-
-
-class TorchThreads(NamedTuple):
-    """An inference worker's torch threads: for a batch that is all the pod has admitted, and while other requests
-    are in flight."""
-
-    alone: int
-    busy: int
 
 
 class Settings(BaseSettings):
@@ -249,41 +210,6 @@ class Settings(BaseSettings):
         logging.basicConfig(level=self.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         if self.log_level != "debug":  # a worker's failed setup: one line; `imgserve serve` ends with the reason
             logging.getLogger("litserve.loops.loops").addFilter(_without_traceback)
-
-    def torch_threads_on(self, device_type: str, workers: int) -> TorchThreads:
-        """Torch threads per inference worker. On a GPU, the worker's share of the cores. On a CPU, twice its share
-        (at most every core) for a batch that is all the pod has admitted: a lone request runs on every core while
-        the other workers wait (OpenMP waits passively, `passive_openmp`). While other requests are in flight, its
-        share: the workers' threads would otherwise take turns on the same cores. Measured on 2 cores
-        (docs/benchmarks.md): the built-in model's lone 128x128 request in 10-12.6 ms instead of 13.9-14.6 with one
-        thread; at 64 users, 4-12% more images/s with one thread each than with two."""
-        if self.torch_threads != "auto":
-            return TorchThreads(self.torch_threads, self.torch_threads)
-        cpus = usable_cpus()
-        share = max(1, cpus // workers)
-        return TorchThreads(share, share) if device_type == "cuda" else TorchThreads(min(cpus, 2 * share), share)
-
-    def workers_on(self, device_type: str, gpu_workers: int = 1) -> int:
-        """Workers per device: on a CPU one per core (under load several narrow workers beat one wide one); on a GPU
-        `gpu_workers`, what `gpu_workers_for` chose from a measurement."""
-        if self.workers_per_device != "auto":
-            return self.workers_per_device
-        return gpu_workers if device_type == "cuda" else min(usable_cpus(), MAX_CPU_WORKERS)
-
-    def front_ends_on(self, device_type: str, workers: int) -> int:
-        """HTTP front ends: on a GPU the `workers` leave most cores to decoding and encoding. On a CPU the workers
-        share the cores with them, and one front end's event loop (HTTP, multipart, decode, encode) caps a cheap
-        model: on 2 cores a second one answered 30% more 128x128 images with a near-free model, and as many with the
-        built-in one (docs/benchmarks.md)."""
-        if self.api_servers != "auto":
-            return self.api_servers
-        if device_type != "cuda":
-            return min(usable_cpus(), CPU_FRONT_ENDS)
-        return max(1, min(usable_cpus() - workers, MAX_FRONT_ENDS))
-
-    def pads_on(self, device_type: str) -> bool:
-        """Padding mixed sizes pays on a GPU (a bigger batch is nearly free); on a CPU it only adds pixels."""
-        return device_type == "cuda" if self.pad_mixed_sizes == "auto" else self.pad_mixed_sizes
 
     @field_validator("mean", "std", mode="before")
     @classmethod

@@ -24,8 +24,10 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status, headers=headers)
 
 
-async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+async def http_error(request: Request, exc: Exception) -> JSONResponse:
     """404, 405 and Starlette's other HTTP errors, in the envelope (FastAPI would answer {"detail": ...})."""
+    if not isinstance(exc, StarletteHTTPException):  # registered for it only
+        return await internal_error(request, exc)
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     message = f"{request.method} {request.url.path}: {exc.detail}"[:200]
     response = ApiError(exc.status_code, code, message).response(request.url.path)

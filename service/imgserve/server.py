@@ -1,35 +1,29 @@
-"""Builds and runs the LitServer: front-end routes and middleware, inference workers, drain and worker monitor.
+"""The composition root: reads the machine, plans the pod (pod.py), builds what the plan says and runs it.
 
-Import it only after `PROMETHEUS_MULTIPROC_DIR` is set (the `imgserve serve` command does it first).
+Imported by nothing but the command that runs it, and only after `PROMETHEUS_MULTIPROC_DIR` is set.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import gc
 import logging
-import multiprocessing as mp
+import os
 import socket
 import sys
-import threading
 from collections.abc import AsyncIterator
-from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-import litserve as ls
 import numpy as np
 import torch
-import uvicorn
-from litserve.utils import WorkerSetupStatus
 from starlette.routing import Route
 
 from imgserve import __version__, heap, metrics
-from imgserve.config import GPU_BUSY_GOAL, MAX_CPU_WORKERS, Settings, gpu_workers_for, passive_openmp
+from imgserve.config import Settings
+from imgserve.engine import EngineServer
 from imgserve.errors import install_handlers
 from imgserve.frontend import telemetry
-from imgserve.frontend.admission import Admission, AdmissionMiddleware, queue_bound
+from imgserve.frontend.admission import Admission, AdmissionMiddleware
 from imgserve.frontend.auth import ApiKeyMiddleware, KeyProblem, Keys
 from imgserve.frontend.connections import GuardedHttpToolsProtocol
 from imgserve.frontend.inference import CodecThreads, Inference
@@ -45,10 +39,11 @@ from imgserve.handoff.state import SharedState
 from imgserve.models import outputs, shared
 from imgserve.models.loader import ModelLoadError, check_model_source, load_model
 from imgserve.models.shared import SharedWeights
+from imgserve.pod import GpuProbe, PodPlan, available_ram, plan_pod, read_machine
 from imgserve.supervisor.children import Supervisor
-from imgserve.supervisor.lifecycle import FrontEndServer, install_drain_on_signals
+from imgserve.supervisor.lifecycle import install_drain_on_signals
 from imgserve.worker.api import ImageAPI, WorkerPlan
-from imgserve.worker.batching import AUTO_BATCH_CAP, BatchRunner, InMemory
+from imgserve.worker.batching import BatchRunner, InMemory
 
 log = logging.getLogger(__name__)
 PROBE_BATCH = 8  # the batch timed for workers_per_device auto on a GPU when max_batch_size is auto too
@@ -76,14 +71,12 @@ def load_weights(settings: Settings, device_type: str, devices: int, directory: 
     return shared.prepare(model, device_type, names, directory, settings.share_weights, settings.channels_last)
 
 
-def choose_gpu_workers(settings: Settings, weights: SharedWeights, device_type: str) -> tuple[int, str]:
-    """workers_per_device auto: on a GPU from one probe batch timed on cuda:0 (config.gpu_workers_for); the reason."""
-    if device_type != "cuda":
-        return 1, f"one per core, at most {MAX_CPU_WORKERS}"
+def probe_gpu(settings: Settings, weights: SharedWeights) -> GpuProbe:
+    """One batch timed on cuda:0 (for workers_per_device auto): a worker's own CPU seconds and the device's."""
     device = torch.device("cuda:0")
     shared_tensors = weights.owner.get(str(device))  # the main process's copy: adopted, not copied
     model = load_model(settings.model, settings.model_factory, settings.trust_pickle, shared_tensors).to(device)
-    runner = BatchRunner.for_settings(model, device, settings)
+    runner = BatchRunner.for_settings(model, device, settings, pad=settings.pad_mixed_sizes is not False)
     batch = settings.max_batch_size if isinstance(settings.max_batch_size, int) else PROBE_BATCH
     side = runner.probe_side
     images = [InMemory(np.zeros((side, side, 3), dtype=np.uint8)) for _ in range(batch)]
@@ -94,58 +87,46 @@ def choose_gpu_workers(settings: Settings, weights: SharedWeights, device_type: 
         raise ModelLoadError(f"the model runs out of GPU memory on one {side}x{side} image") from None
     del runner, model
     torch.cuda.empty_cache()
-    workers = gpu_workers_for(cpu_s, device_s)
-    return workers, (
-        f"a batch of {batch} {side}x{side} images took {1000 * cpu_s:.1f} ms of a worker's CPU and "
-        f"{1000 * device_s:.1f} ms on the GPU: {workers} worker(s) keep it {GPU_BUSY_GOAL:.0%} busy"
-    )
+    return GpuProbe(batch, side, cpu_s, device_s)
 
 
-class ImageServer(ls.LitServer):
-    """LitServer with imgserve's own predict/health/info/metrics routes and admission in front."""
+def plan_for(settings: Settings, weights: SharedWeights, device_type: str, devices: int) -> PodPlan:
+    """Read this machine (timing a probe batch when the GPU's worker count is `auto`) and plan the pod on it."""
+    cuda = device_type == "cuda"
+    probe = probe_gpu(settings, weights) if cuda and settings.workers_per_device == "auto" else None
+    free = torch.cuda.mem_get_info(0)[0] if cuda else available_ram()
+    return plan_pod(settings, read_machine(device_type, devices, free, probe))
 
-    def __init__(self, settings: Settings, directory: ServerDirectory, keys: Keys) -> None:
-        self.settings, self.directory, self.keys = settings, directory, keys
-        slot_directory = directory.slots
-        self.accelerator = resolve_device(settings.device)
-        devices = torch.cuda.device_count() if self.accelerator == "cuda" else 1
-        self.weights = load_weights(settings, self.accelerator, devices, directory.weights)
-        gpu_workers, self.workers_reason = 1, "set by --workers-per-device"
-        if settings.workers_per_device == "auto":
-            gpu_workers, self.workers_reason = choose_gpu_workers(settings, self.weights, self.accelerator)
-        self.workers_per_device = workers_per_device = settings.workers_on(self.accelerator, gpu_workers)
-        self.worker_count = devices * workers_per_device
-        auto_batch = settings.max_batch_size == "auto"
-        self.configured_batch_size = 1 if auto_batch else settings.max_batch_size
-        largest_batch = AUTO_BATCH_CAP if auto_batch else settings.max_batch_size
-        # A front end may hold every admitted request, and as many again given up on whose workers still have them.
-        slots_per_front_end = 2 * queue_bound(settings, self.worker_count, largest_batch)
-        self.front_ends = settings.front_ends_on(self.accelerator, workers_per_device)
+
+class ImageServer(EngineServer):
+    """The server the plan describes: imgserve's routes, admission and keys in front, the hand-off sockets, the
+    supervisor, and the inference workers LitServe starts."""
+
+    def __init__(
+        self, settings: Settings, directory: ServerDirectory, keys: Keys, weights: SharedWeights, plan: PodPlan
+    ) -> None:
+        self.settings, self.directory, self.keys, self.weights, self.plan = settings, directory, keys, weights, plan
+        self.front_end_host = settings.host
         self.state = SharedState(
-            self.worker_count, request_slots=slots_per_front_end * self.front_ends, front_ends=self.front_ends
+            plan.workers, request_slots=plan.slots_per_front_end * plan.front_ends, front_ends=plan.front_ends
         )
-        self.dispatcher = Dispatcher(self.state, slot_directory, slots_per_front_end, settings.retry_after_s)
-        self.torch_threads = settings.torch_threads_on(self.accelerator, self.worker_count)
-        if self.accelerator != "cuda":
-            passive_openmp()
-        # On a CPU the slots live in the same RAM as the batches: room for every admitted request at its largest.
-        admitted = 0 if self.accelerator == "cuda" else queue_bound(settings, self.worker_count, largest_batch)
-        plan = WorkerPlan(
-            slot_directory,
-            self.weights,
-            self.configured_batch_size,
-            self.torch_threads,
-            workers_per_device,
-            admitted * 3 * settings.max_image_pixels,
+        self.dispatcher = Dispatcher(self.state, directory.slots, plan.slots_per_front_end, settings.retry_after_s)
+        worker_plan = WorkerPlan(
+            directory.slots,
+            weights,
+            plan.batch_size,
+            plan.torch_threads,
+            plan.workers_per_device,
+            plan.reserved_slot_bytes,
+            plan.pad_mixed_sizes,
         )
-        api = ImageAPI(settings, self.state, plan)
-        self.supervisor = Supervisor(self)  # started with the front ends (_start_server)
+        self.supervisor = Supervisor(self)  # started with the front ends
         self.admission = Admission(self.state, settings, lambda: self.queue_limit)
         super().__init__(
-            api,
-            accelerator=self.accelerator,
-            devices=devices,
-            workers_per_device=workers_per_device,
+            ImageAPI(settings, self.state, worker_plan),
+            accelerator=plan.device_type,
+            devices=len(plan.devices),
+            workers_per_device=plan.workers_per_device,
             timeout=False,  # deadlines are imgserve's (admission + worker), per request
             disable_openapi_url=True,  # no /docs, /redoc, /openapi.json
             middlewares=[  # the last is outermost
@@ -155,23 +136,23 @@ class ImageServer(ls.LitServer):
             ],
         )
         install_handlers(self.app)
-        self._monitor_workers = False  # imgserve's own monitor answers for the dead worker's requests
-        copies = 1 if self.weights.shared else workers_per_device
+        copies = 1 if weights.shared else plan.workers_per_device
         self.pod_collector = telemetry.PodCollector(
             self.state,
-            slot_directory,
+            directory.slots,
             telemetry.ModelFacts(
-                settings.model, settings.precision, self.device_names, copies * self.weights.nbytes, __version__
+                settings.model, settings.precision, plan.devices, copies * weights.nbytes, __version__
             ),
         )
         metrics.preregister()
 
-    def _register_internal_endpoints(self) -> None:
-        """Called by LitServer.__init__; our routes replace LitServe's /health and /info."""
-
-    def _register_api_endpoints(self, lit_api: ls.LitAPI, request_type: Any, response_type: Any) -> None:
+    def add_routes(self) -> None:
         self.inference = Inference(
-            self.settings, self.state, self.dispatcher, self.admission, CodecThreads.for_front_ends(self.front_ends)
+            self.settings,
+            self.state,
+            self.dispatcher,
+            self.admission,
+            CodecThreads(self.plan.codec_threads_per_front_end),
         )
         routes = Routes(
             self.settings,
@@ -179,7 +160,7 @@ class ImageServer(ls.LitServer):
             self.inference,
             lambda: telemetry.exposition(self.pod_collector),
             self.describe,
-            lambda: dict(self.workers_setup_status),
+            self.setup_status,
         )
         for path in telemetry.PREDICT_PATHS:
             self.app.router.routes.append(Route(path, routes.predict, methods=["POST"]))
@@ -195,33 +176,15 @@ class ImageServer(ls.LitServer):
         ):
             self.app.router.routes.append(Route(path, endpoint, methods=["GET"]))
 
-    def _register_middleware(self) -> None:
-        """LitServe's GZip is left out: images do not compress, and it would burn front-end CPU."""
-        for middleware, kwargs in [m if isinstance(m, tuple) else (m, {}) for m in self.middlewares]:
-            if middleware.__name__ != "GZipMiddleware":
-                self.app.add_middleware(middleware, **kwargs)
+    def hand_off(self, front_ends: int) -> tuple[RequestSocket, AnswerSockets]:
+        return RequestSocket(self.directory.root), AnswerSockets(self.directory.root, front_ends)
 
-    @property
-    def device_names(self) -> list[str]:
-        """LitServe keeps 'cpu' as a string and CUDA devices as one-element lists."""
-        return [d if isinstance(d, str) else d[0] for d in self.devices]
+    def front_ends_started(self) -> None:
+        self.supervisor.start()
 
-    def _init_manager(self, num_api_servers: int) -> Any:
-        """LitServe's Manager (worker status, shutdown event), with requests and answers over imgserve's datagram
-        sockets instead of its queues."""
-        # A forked child (this Manager, the front ends) shares the main process's Python objects until either
-        # writes to their pages, and a full garbage collection writes to every one (~50 MiB copied per child).
-        # So the garbage is collected once, before the first fork, and the collector leaves the rest alone.
-        gc.collect()
-        gc.freeze()
-        manager = super()._init_manager(num_api_servers)
-        self.litapi_request_queues[self.lit_api.api_path] = RequestSocket(self.directory.root)
-        self._transport = AnswerSockets(self.directory.root, num_api_servers)
-        self.queue_process = manager._process
-        # run() blocks on this until it is stopped (by SIGINT): a Manager event would raise EOFError the moment the
-        # queue process died, before the supervisor could answer anything.
-        self._shutdown_event = threading.Event()
-        return manager
+    def stopping(self) -> None:
+        """The children LitServe stops are not taken for dead ones and replaced."""
+        self.supervisor.stop()
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
@@ -231,7 +194,7 @@ class ImageServer(ls.LitServer):
         heap.few_arenas()
         front_end = app.response_queue_id
         self.state.serve_as(front_end)
-        self.dispatcher.start(front_end, self.request_queue, self._transport.receiver(front_end))
+        self.dispatcher.start(front_end, self.request_queue, self.answer_transport.receiver(front_end))
         if front_end != 0 or not self.settings.grpc_port:
             yield
             return
@@ -243,80 +206,29 @@ class ImageServer(ls.LitServer):
             self.state.serve_grpc(False)
             await grpc_server.stop(grpc_service.GRACE_S)
 
-    def restart_worker(self, index: int) -> BaseProcess:
-        return self.launch_single_inference_worker(self.lit_api, index)
-
-    def worker_starting(self, index: int) -> bool:
-        key = f"{self.lit_api.api_path.split('/')[-1]}_{index}"
-        return self.workers_setup_status.get(key) == WorkerSetupStatus.STARTING
-
-    def _start_server(
-        self,
-        port: int,
-        num_uvicorn_servers: int,
-        log_level: str,
-        sockets: list[socket.socket],
-        uvicorn_worker_type: str,
-        **kwargs: Any,
-    ) -> dict[int, BaseProcess]:
-        """Fork the HTTP front ends (LitServe's loop, one front end at a time so that one can be replaced; always
-        processes, which is all imgserve asks for), then supervise every child. LitServe stops the front ends in
-        this dict at shutdown, replacements included."""
-        self._front_end_sockets = sockets
-        self._front_end_config = dict(port=port, log_level=log_level, **kwargs)
-        self.front_end_processes = {index: self.restart_front_end(index) for index in range(num_uvicorn_servers)}
-        self.supervisor.start()
-        return self.front_end_processes
-
-    def _perform_graceful_shutdown(self, *args: Any, **kwargs: Any) -> None:
-        """LitServe's shutdown (Ctrl-C, or the end of a drain), with the supervisor stopped first so that the children
-        it stops are not taken for dead ones and replaced."""
-        self.supervisor.stop()
-        super()._perform_graceful_shutdown(*args, **kwargs)
-
-    def restart_front_end(self, index: int) -> BaseProcess:
-        """Fork front end `index` on the listening socket, as LitServe's _start_server does for each."""
-        self.app.response_queue_id = index
-        app = copy.copy(self.app)
-        self._prepare_app_run(app)
-        config = uvicorn.Config(
-            app,
-            host=self.settings.host,
-            timeout_graceful_shutdown=self.uvicorn_graceful_timeout,
-            **self._front_end_config,
-        )
-        process = mp.get_context("fork").Process(
-            target=FrontEndServer(config=config).run, args=(index, self._front_end_sockets), name=f"LitServer-{index}"
-        )
-        gc.freeze()  # what was made since the Manager's fork too (see _init_manager)
-        process.start()
-        return process
+    def restart_front_end(self, index: int) -> Any:
+        """Fork a new front end in place of front end `index` (the supervisor's word for it)."""
+        return self.fork_front_end(index)
 
     @property
     def queue_limit(self) -> int:
         """The admission bound, from the batch size the workers settled on at warm-up (max_batch_size auto)."""
-        batch_size = self.state.limits["max_batch_size"] or self.configured_batch_size
-        return queue_bound(self.settings, self.worker_count, batch_size)
-
-    @property
-    def request_queue(self) -> Any:
-        return self._get_request_queue(self.lit_api.api_path)
+        return self.plan.queue_bound(self.state.limits["max_batch_size"] or self.plan.batch_size)
 
     def describe(self) -> dict[str, Any]:
         """What GET /info answers."""
-
-        limits = self.state.limits
+        limits, plan = self.state.limits, self.plan
         return {
             "model": self.settings.model,
-            "device": self.device_names[0],
-            "devices": self.device_names,
+            "device": plan.devices[0],
+            "devices": plan.devices,
             "precision": self.settings.precision,
-            "workers": self.worker_count,
-            "workers_per_device": self.workers_per_device,
-            "workers_per_device_why": self.workers_reason,
-            "api_servers": self.front_ends,
-            "torch_threads_per_worker": self.torch_threads.alone,
-            "torch_threads_per_worker_under_load": self.torch_threads.busy,
+            "workers": plan.workers,
+            "workers_per_device": plan.workers_per_device,
+            "workers_per_device_why": plan.workers_per_device_why,
+            "api_servers": plan.front_ends,
+            "torch_threads_per_worker": plan.torch_threads.alone,
+            "torch_threads_per_worker_under_load": plan.torch_threads.busy,
             "weights": self.weights.describe(),
             "max_batch_size": limits["max_batch_size"] or self.settings.max_batch_size,
             "batch_memory_budget_bytes_per_worker": limits["budget_bytes"],
@@ -327,6 +239,7 @@ class ImageServer(ls.LitServer):
             "max_body_bytes": self.settings.max_body_bytes,
             "max_image_pixels": self.settings.max_image_pixels,
             "task": self.state.task,  # the output kind the workers decided at warm-up
+            "plan": plan.describe(),
             "version": __version__,
         }
 
@@ -365,10 +278,23 @@ def serve(settings: Settings, directory: ServerDirectory) -> int:
         )
         return 2
     try:
-        return run_server(ImageServer(settings, directory, keys))
+        return run_server(build_server(settings, directory, keys))
     except ModelLoadError as exc:
         log.error("imgserve: %s", exc)
         return 2
+
+
+def build_server(settings: Settings, directory: ServerDirectory, keys: Keys) -> ImageServer:
+    """Load the weights once, plan the pod on this machine and build it."""
+    device_type = resolve_device(settings.device)
+    devices = torch.cuda.device_count() if device_type == "cuda" else 1
+    weights = load_weights(settings, device_type, devices, directory.weights)
+    plan = plan_for(settings, weights, device_type, devices)
+    for warning in plan.warnings:
+        log.warning("%s", warning)
+    if plan.passive_openmp:  # workers spawned from now on: OpenMP threads sleep when they wait instead of spinning
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return ImageServer(settings, directory, keys, weights, plan)
 
 
 def run_server(server: ImageServer) -> int:
@@ -379,7 +305,7 @@ def run_server(server: ImageServer) -> int:
         server.run(
             host=settings.host,
             port=settings.port,
-            num_api_servers=server.front_ends,
+            num_api_servers=server.plan.front_ends,
             log_level=settings.log_level,
             generate_client_file=False,
             access_log=settings.access_log,

@@ -1,5 +1,6 @@
-"""Run by tests/test_neighbours.py, often as another user: send a pickle that would write a marker file, garbage
-and an oversized datagram to every imgserve socket listed in /proc/net/unix; print what each send did, as JSON.
+"""Run by tests/integration/test_neighbours.py, often as another user: send a pickle that would write a marker file,
+garbage and an oversized datagram to every imgserve socket listed in /proc/net/unix; print what each send did, as
+JSON.
 Standard library only (it runs under the system's Python, as whoever the test makes it)."""
 
 import json

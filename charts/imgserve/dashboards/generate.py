@@ -1,8 +1,9 @@
 """Generate the imgserve Grafana dashboard (`imgserve.json` next to this file) with grafana-foundation-sdk.
 
 The JSON is generated, never hand-edited: change a panel here, run
-`python charts/imgserve/dashboards/generate.py`, and commit both files. tests/test_dashboard.py fails when the
-committed JSON differs from a fresh generation; tests/test_prometheus.py runs every query against a real Prometheus.
+`python charts/imgserve/dashboards/generate.py`, and commit both files. tests/deploy/test_dashboard.py fails when
+the committed JSON differs from a fresh generation; tests/integration/test_prometheus.py runs every query against a
+real Prometheus.
 Every query uses only the metrics of the contract (docs/metrics.md).
 """
 

@@ -26,11 +26,6 @@ SHED_MESSAGES = {"draining": "the server is shutting down", "queue_full": "the q
 SECONDS = re.compile(r"\d+(\.\d*)?|\.\d+")
 
 
-def queue_bound(settings: Settings, workers: int, batch_size: int) -> int:
-    """max_queue_depth, or max batch size x workers x 4 when it is 0 (four batches per worker of headroom)."""
-    return settings.max_queue_depth or batch_size * workers * 4
-
-
 class Admission:
     """The pod-wide decision whether a new request may come in at all (draining, queue full)."""
 

@@ -66,13 +66,13 @@ class _Transport:
     """The socket as uvicorn's request cycle sees it: its close() becomes the protocol's lingering close."""
 
     def __init__(self, transport: asyncio.Transport, protocol: GuardedHttpToolsProtocol) -> None:
-        self._transport = transport
+        self._socket_transport = transport
         self.write = transport.write
         self.close = protocol.close_connection
         self.is_closing = protocol.is_closing
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
+        return getattr(self._socket_transport, name)
 
 
 class GuardedHttpToolsProtocol(HttpToolsProtocol):

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import anyio
 import numpy as np
 
-from imgserve.config import Settings, usable_cpus
+from imgserve.config import Settings
 from imgserve.errors import ApiError
 from imgserve.frontend import codec
 from imgserve.frontend.admission import Admission
@@ -37,11 +37,6 @@ class CodecThreads:
     def __init__(self, count: int) -> None:
         self.count = count
         self._limiter: anyio.CapacityLimiter | None = None  # made in the front end's own event loop
-
-    @classmethod
-    def for_front_ends(cls, front_ends: int) -> CodecThreads:
-        """Each front end's share of the usable cores."""
-        return cls(max(1, usable_cpus() // front_ends))
 
     async def run(self, function: Callable[..., T], *args: Any) -> T:
         if self._limiter is None:
@@ -114,7 +109,7 @@ async def _all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
     for result in results:
         if isinstance(result, BaseException):
             raise result
-    return results
+    return results  # type: ignore[return-value]  # none of them is an exception here
 
 
 def _size(image: Image) -> int:

@@ -18,10 +18,14 @@ from imgserve.models.preprocess import Geometry
 class Params(Protocol):
     """The query parameters a rendering reads (routes.PredictParams)."""
 
-    format: str | None
-    quality: int | None
-    top_k: int
-    score_threshold: float
+    @property
+    def format(self) -> str | None: ...
+    @property
+    def quality(self) -> int | None: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def score_threshold(self) -> float: ...
 
 
 def _palette() -> list[int]:

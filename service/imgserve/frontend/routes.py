@@ -36,7 +36,7 @@ class PredictParams(BaseModel):
 
 def _params(request: Request) -> PredictParams:
     try:
-        return PredictParams(**request.query_params)
+        return PredictParams.model_validate(dict(request.query_params))
     except ValidationError as exc:
         errors = exc.errors()
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}"[:100] for e in errors[:MAX_LISTED_PROBLEMS])
@@ -99,7 +99,7 @@ class Routes:
             accept = request.headers.get("accept", "")
 
             def render(result: Any, geometry: Any) -> Response:
-                return self.renderer(self.state.task, result, geometry, params, accept)
+                return self.renderer(self.state.task or "", result, geometry, params, accept)
 
             (response,) = await self.inference.run([data], request.scope["state"]["deadline"], render)
             return response

@@ -58,7 +58,7 @@ class SlotFiles:
 
     def write(self, slot: int, array: np.ndarray) -> None:
         """Put `array`'s bytes at the start of the slot (503 when /dev/shm is full, of bytes or of files)."""
-        data = memoryview(np.ascontiguousarray(array)).cast("B")
+        data = memoryview(np.ascontiguousarray(array).data).cast("B")
         done = 0
         try:
             fd = self._fd(slot)
@@ -69,7 +69,7 @@ class SlotFiles:
 
     def read_into(self, slot: int, out: np.ndarray) -> None:
         """Fill the contiguous array `out` from the start of the slot."""
-        view = memoryview(out).cast("B")
+        view = memoryview(out.data).cast("B")
         fd, done = self._fd(slot), 0
         while done < len(view):
             got = os.preadv(fd, [view[done:]], done)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from typing import Any
 
 SETUP_FAILURE_BYTES = 2048
 # spawn-context primitives can be handed to spawned workers and inherited by forked front ends alike.
@@ -32,8 +33,8 @@ class SharedState:
         self._taken = _ctx.Array("q", request_slots, lock=False)
         self._taken_in_life = _ctx.Array("i", request_slots, lock=False)  # ... and which process of that worker
         self._take_lock = _ctx.Lock()
-        self._task = _ctx.Array("c", 16)  # the output kind the workers decided (models/outputs.py)
-        self._setup_failure = _ctx.Array("c", SETUP_FAILURE_BYTES)
+        self._task: Any = _ctx.Array("c", 16)  # the output kind the workers decided (models/outputs.py)
+        self._setup_failure: Any = _ctx.Array("c", SETUP_FAILURE_BYTES)
 
     # Admission: requests admitted and not yet answered.
     def serve_as(self, front_end: int) -> None:
@@ -43,7 +44,7 @@ class SharedState:
     def try_admit(self, limit: int, count: int = 1) -> bool:
         """Take `count` places in the queue if that many are free (all or none)."""
         with self._admitted.get_lock():
-            if sum(self._admitted) + count > limit:
+            if sum(self._admitted[:]) + count > limit:
                 return False
             self._admitted[self._front_end] += count
             return True

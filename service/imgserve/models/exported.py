@@ -56,7 +56,8 @@ MATH = ("floor", "ceil", "trunc", "sqrt", "cos", "cosh", "acos", "sin", "sinh", 
 GUARD_CALLS = {"max", "min", "abs", "round", "torch._sym_sqrt", *(f"math.{name}" for name in MATH), *SYM_FUNCTIONS}
 GUARD_CALLS |= {"IsNonOverlappingAndDenseIndicator"}
 GUARD_VALUES = {"L", "inf", "math", "torch", "math.inf", "math.nan"}
-OPERATORS = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow, ast.USub, ast.UAdd, ast.Not)
+OPERATORS: tuple[type[ast.AST], ...] = (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.FloorDiv, ast.Mod, ast.Pow)
+OPERATORS += (ast.USub, ast.UAdd, ast.Not)
 OPERATORS += (ast.And, ast.Or, ast.Eq, ast.NotEq, ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.BitAnd, ast.BitOr)
 OPERATORS += (ast.BitXor, ast.Invert, ast.LShift, ast.RShift)
 

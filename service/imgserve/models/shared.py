@@ -93,7 +93,7 @@ def prepare(
     """Convert the model once (no gradients, channels_last) and share its weights the device's way."""
     for_inference(model)
     if channels_last:
-        model.to(memory_format=torch.channels_last)
+        model.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stubs lack it
     if not enabled:
         weights = SharedWeights(weight_bytes(model), reason="--no-share-weights")
     elif device_type == "cuda":

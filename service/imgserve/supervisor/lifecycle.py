@@ -12,10 +12,7 @@ import os
 import signal
 import threading
 import time
-from types import FrameType
 from typing import Protocol
-
-from litserve.server import _Server
 
 from imgserve.config import Settings
 from imgserve.handoff.state import SharedState
@@ -73,15 +70,6 @@ def install_drain_on_signals(server: ManagedServer) -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
     # This also takes SIGINT back where a shell started the server as a background job, with SIGINT ignored.
     signal.signal(signal.SIGINT, on_sigint)
-
-
-class FrontEndServer(_Server):
-    """LitServe's uvicorn server for one front end (pinned to LitServe 0.2.19's `_Server`), leaving Ctrl-C to the main
-    process: uvicorn would otherwise start its own shutdown on it, and raise KeyboardInterrupt after it."""
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if sig != signal.SIGINT:
-            super().handle_exit(sig, frame)
 
 
 def drain_then_stop(server: ManagedServer, timeout_s: float) -> None:

@@ -20,13 +20,14 @@ import numpy as np
 import torch
 
 from imgserve import heap, metrics
-from imgserve.config import Settings, TorchThreads
+from imgserve.config import Settings
 from imgserve.errors import ApiError
 from imgserve.handoff.slots import InSlot, SlotFiles
 from imgserve.handoff.state import SharedState
 from imgserve.models import outputs
 from imgserve.models.loader import ModelLoadError, load_model
 from imgserve.models.shared import SharedWeights
+from imgserve.pod import TorchThreads
 from imgserve.worker.batching import BatchRunner, Result
 from imgserve.worker.gather import GatheringLoop
 
@@ -55,6 +56,7 @@ class WorkerPlan:
     torch_threads: TorchThreads
     workers_per_device: int
     reserved_bytes: int
+    pad_mixed_sizes: bool = False
 
 
 class ImageAPI(ls.LitAPI):
@@ -75,13 +77,15 @@ class ImageAPI(ls.LitAPI):
         plan = self.plan
         self.slots = SlotFiles(plan.slot_directory)
         torch_device = torch.device(device)
-        torch.set_num_threads(plan.torch_threads.alone)  # Settings.torch_threads_on
+        torch.set_num_threads(plan.torch_threads.alone)  # pod.py decided the counts
         with self._reported("cannot load the model"):
             shared = plan.weights.tensors(device) if plan.weights.shared else None
             model = load_model(settings.model, settings.model_factory, settings.trust_pickle, shared)
             model = model.to(torch_device)  # in place already when shared; the loader set eval mode
         heap.hold_freed_memory()  # after loading: what a private load freed goes back to the system
-        self.runner = BatchRunner.for_settings(model, torch_device, settings, on_oom=metrics.OOM_SPLITS.inc)
+        self.runner = BatchRunner.for_settings(
+            model, torch_device, settings, plan.pad_mixed_sizes, on_oom=metrics.OOM_SPLITS.inc
+        )
         with self._reported(
             f"the model failed warm-up on {device} with a {self.runner.probe_side}x{self.runner.probe_side} image"
         ):
@@ -149,7 +153,7 @@ class ImageAPI(ls.LitAPI):
 
     def _set_threads(self, batch_size: int) -> None:
         """All of this worker's torch threads for a batch that is all the pod has admitted, its share of the cores
-        otherwise (`Settings.torch_threads_on`; ~0.1 us: OpenMP's count for the next parallel region)."""
+        otherwise (pod.py's rule); the switch sets OpenMP's count for the next parallel region, well under 1 us."""
         alone = self.state.queue_depth <= batch_size
         torch.set_num_threads(self.plan.torch_threads.alone if alone else self.plan.torch_threads.busy)
 

@@ -21,11 +21,11 @@ import torch
 from imgserve.config import Settings
 from imgserve.errors import ApiError
 from imgserve.models import outputs, preprocess
+from imgserve.pod import AUTO_BATCH_CAP, available_ram
 
 log = logging.getLogger(__name__)
 
 PROBE_SIDE = 256  # the warm-up image's side when the model has no fixed --input-size
-AUTO_BATCH_CAP = 256
 MAX_PAD_WASTE = 2.0  # a padded chunk may hold at most twice the real pixels
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ONE_THREAD_ELEMENTS = 1 << 20  # a CPU batch under this many input values is converted on one thread
@@ -82,6 +82,11 @@ class Pixels(Protocol):
     def read_into(self, out: np.ndarray) -> None: ...
 
 
+def _size(image: Pixels) -> tuple[int, int]:
+    """An image's height and width."""
+    return image.shape[0], image.shape[1]
+
+
 class InMemory:
     """Pixels already in this process (an HxWx3 uint8 array): the in-process and test callers' input."""
 
@@ -126,14 +131,19 @@ class BatchRunner:
 
     @classmethod
     def for_settings(
-        cls, model: Callable, device: torch.device, settings: Settings, on_oom: Callable[[], None] = lambda: None
+        cls,
+        model: Callable,
+        device: torch.device,
+        settings: Settings,
+        pad: bool,
+        on_oom: Callable[[], None] = lambda: None,
     ) -> BatchRunner:
-        """The runner the server uses for `settings` on `device`."""
+        """The runner the server uses for `settings` on `device`, padding mixed sizes into one batch or not."""
         return cls(
             model,
             device,
             precision=settings.precision,
-            pad=settings.pads_on(device.type),
+            pad=pad,
             channels_last=settings.channels_last,
             mean=settings.mean,
             std=settings.std,
@@ -145,11 +155,12 @@ class BatchRunner:
         """NHWC (channels_last) or NCHW memory for the model's weights and every batch."""
         self.channels_last = channels_last
         if isinstance(self.model, torch.nn.Module):
-            self.model.to(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
+            layout = torch.channels_last if channels_last else torch.contiguous_format
+            self.model.to(memory_format=layout)  # type: ignore[call-overload]  # torch's stubs lack it
 
     def __call__(self, images: Sequence[Pixels]) -> list[Result]:
         results: list[Result] = [ApiError(500, "no_output", "no output")] * len(images)
-        sizes = [tuple(image.shape[:2]) for image in images]
+        sizes = [_size(image) for image in images]
         chunks = plan_chunks(sizes, self.memory.pixel_budget, self.max_waste)
         self.last_need_bytes = max(self.memory.need_bytes([sizes[i] for i in chunk]) for chunk in chunks)
         for chunk in chunks:
@@ -189,14 +200,13 @@ class BatchRunner:
         output = self.forward(batch)
         kind = self.kind or outputs.decide(output, "auto")
         with self._conversion_threads(batch):
-            return outputs.per_image(kind, output, [tuple(image.shape[:2]) for image in images], (height, width))
+            return outputs.per_image(kind, output, [_size(image) for image in images], (height, width))
 
     @contextlib.contextmanager
     def _conversion_threads(self, batch: torch.Tensor) -> Iterator[None]:
-        """The uint8 <-> float passes of a small batch on a CPU run on one thread, the model on all of its own:
-        waking a waiting OpenMP thread (passive waits, see config.passive_openmp) costs more than it saves there.
-        Measured on 2 cores, a 128x128 image's seven passes: 71 us on one thread, 488 us on two; at 1024x1024,
-        4.8 ms on one and 4.1 ms on two."""
+        """The uint8 <-> float passes of a batch under ONE_THREAD_ELEMENTS values on a CPU run on one thread, the
+        model on all of its own: waking a passively waiting OpenMP thread costs more than it saves on so little work
+        (measured in docs/architecture.md, "How the model runs")."""
         threads = torch.get_num_threads()
         if self.device.type != "cpu" or threads == 1 or batch.numel() >= ONE_THREAD_ELEMENTS:
             yield
@@ -307,7 +317,7 @@ class BatchRunner:
             base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
             self.warmup_output = self._first_forward(probe)
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-            free = _available_ram()
+            free = available_ram()
         # Activations cannot be smaller than the input and output themselves.
         floor = 2 * probe.numel() * 4  # as float32
         usable = int(memory_fraction * free)
@@ -326,11 +336,3 @@ class BatchRunner:
             output = self.forward(probe)  # a model that fails in NCHW too raises here, with its own error
             log.warning("the model fails on channels_last input (%s): running it in NCHW", exc)
             return output
-
-
-def _available_ram() -> int:
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("MemAvailable missing from /proc/meminfo")

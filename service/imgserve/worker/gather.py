@@ -22,11 +22,11 @@ from typing import Any
 from litserve import LitAPI
 from litserve.callbacks import CallbackRunner
 from litserve.loops import BatchedLoop
-from litserve.loops.base import _SENTINEL_VALUE, _StopLoopError
 from litserve.specs.base import LitSpec
 from litserve.transport.base import MessageTransport
 from litserve.utils import LitAPIStatus, LoopResponseType
 
+from imgserve.engine import STOP_SENTINEL, StopLoop
 from imgserve.handoff.state import SharedState
 
 log = logging.getLogger(__name__)
@@ -56,7 +56,7 @@ class GatheringLoop(BatchedLoop):
         while True:
             try:
                 batch = self.gather_batch(lit_api, request_queue)
-            except _StopLoopError:
+            except StopLoop:
                 return
             if not batch:
                 continue
@@ -96,11 +96,12 @@ class GatheringLoop(BatchedLoop):
             except Empty:
                 return None
             except (EOFError, OSError):  # the queue process died: the main process stops the server
-                raise _StopLoopError() from None
-            if request == _SENTINEL_VALUE:
-                raise _StopLoopError()
+                raise StopLoop() from None
+            if request == STOP_SENTINEL:
+                raise StopLoop()
             # So the front end knows which worker holds it, and fails it fast if that worker dies. A request whose
             # slot has moved on to another (its front end gave up on it long ago) is dropped unanswered.
-            if self.state.mark_taken(*request[3]["slot"], worker=self.worker_id):
+            slot, ticket = request[3]["slot"]
+            if self.state.mark_taken(slot, ticket, self.worker_id):
                 return request
             wait_s = until - time.monotonic()

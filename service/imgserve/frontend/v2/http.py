@@ -59,13 +59,13 @@ class V2Routes:
         ready = self.model.not_ready_reason() is None
         return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
 
-    async def model_ready(self, request: Request) -> JSONResponse:
+    async def model_ready(self, request: Request) -> Response:
         return await self._answer(request, self._model_ready)
 
-    async def metadata(self, request: Request) -> JSONResponse:
+    async def metadata(self, request: Request) -> Response:
         return await self._answer(request, lambda: JSONResponse(self.model.metadata()))
 
-    async def config(self, request: Request) -> JSONResponse:
+    async def config(self, request: Request) -> Response:
         return await self._answer(request, lambda: JSONResponse(self.model.config()))
 
     def _model_ready(self) -> JSONResponse:

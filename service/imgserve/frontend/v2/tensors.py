@@ -286,7 +286,8 @@ def _check_count(name: str, shape: list[int], values: Any) -> Any:
 def unpack_bytes(raw: bytes, name: str, count: int | None = None) -> list[bytes]:
     """Serialized BYTES (uint32 LE length, then the bytes, per element) -> the elements; with `count`, exactly that
     many (400 otherwise), and never more than `count` are unpacked."""
-    values, offset = [], 0
+    values: list[bytes] = []
+    offset = 0
     while offset < len(raw):
         if count is not None and len(values) == count:
             raise bad(f"input {name!r}: BYTES data holds more than the {count} elements of its shape")

@@ -71,9 +71,11 @@ class Behavior(_Spec):
 def behavior(spec: dict | None = None) -> Behavior:
     """A `behavior` block with the documented defaults filled in for every field it leaves out."""
     spec = spec or {}
-    return Behavior(
-        scaleUp={**DEFAULT_SCALE_UP, **(spec.get("scaleUp") or {})},
-        scaleDown={**DEFAULT_SCALE_DOWN, **(spec.get("scaleDown") or {})},
+    return Behavior.model_validate(
+        {
+            "scaleUp": {**DEFAULT_SCALE_UP, **(spec.get("scaleUp") or {})},
+            "scaleDown": {**DEFAULT_SCALE_DOWN, **(spec.get("scaleDown") or {})},
+        }
     )
 
 

@@ -192,13 +192,13 @@ def load_capacity(path: Path, max_queue: float | None = None) -> PodModel:
     shedding = [s for s in steps if s.shed_rate > 0]
     if max_queue is None:
         if shedding:
-            max_queue = shedding[0].queue_depth
+            max_queue = _depth(shedding[0])
         else:
-            max_queue = max(s.queue_depth for s in steps)
+            max_queue = max(_depth(s) for s in steps)
             notes.append(
                 f"no step shed: shedding assumed at the deepest queue seen ({max_queue:.1f}); see --max-queue-depth"
             )
-    curve = []
+    curve: list[Step] = []
     for step in steps:
         if step.shed_rate > 0:
             break
@@ -212,11 +212,18 @@ def load_capacity(path: Path, max_queue: float | None = None) -> PodModel:
         max_rps=data.max_rps,
         max_queue=float(max_queue),
         rps=np.array([s.rps for s in curve]),
-        queue=np.maximum.accumulate([s.queue_depth for s in curve]),
+        queue=np.maximum.accumulate([_depth(s) for s in curve]),
         p99_s=np.array([s.p99_ms / 1000 for s in curve]),
         gpu=np.array([s.gpu_utilization for s in curve]) if measured_gpu else None,
         notes=tuple(notes),
     )
+
+
+def _depth(step: Step) -> float:
+    """A step's queue depth, once load_capacity has filled in the ones the file left out."""
+    if step.queue_depth is None:
+        raise ValueError(f"no queue depth at {step.users} users")
+    return step.queue_depth
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ def table(s: Summary, tl: Timeline, scaler: Autoscaler) -> str:
 
 def warnings(scaler: Autoscaler, pod: PodModel, tl: Timeline, startup: float) -> list[str]:
     """Settings that will not do what they seem to, from the values and from what the run showed."""
-    out = []
+    out: list[str] = []
     if scaler.kind == "none":
         return out
     reach = 1 + scaler.rules.scale_up.tolerance  # the ratio a metric must pass to scale up

@@ -1,0 +1,167 @@
+"""A real imgserve for tests and benchmarks: `imgserve serve` (or any server command) started in its own process on
+127.0.0.1, waited for until ready, and always stopped with its whole process tree.
+
+Nothing is mocked: the server is the one users run, so a test of a user's own API exercises admission, the
+workers, deadlines and the drain as they will run in production::
+
+    from imgserve.testing import running
+
+    with running(api="my_api:MyAPI", max_batch_size=4) as server:
+        assert httpx.post(f"{server.url}/predict", files={"file": data}).status_code == 200
+
+Settings are passed as `IMGSERVE_<NAME>` environment variables, so every setting of `imgserve serve` works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+LOOPBACK = "127.0.0.1"
+READY_PATH = "/health/ready"
+
+
+def free_port() -> int:
+    """A TCP port the OS says is free on loopback."""
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return sock.getsockname()[1]
+
+
+def serve_command(port: int, grpc_port: int = 0) -> list[str]:
+    """`imgserve serve` on loopback (gRPC off unless a port is given); other settings come from IMGSERVE_*."""
+    command = [sys.executable, "-m", "imgserve", "serve", "--host", LOOPBACK, "--port", str(port)]
+    return [*command, "--grpc-port", str(grpc_port)]
+
+
+def settings_environment(settings: dict[str, object], base: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a server with `settings`: IMGSERVE_<NAME> for each, none inherited, and no
+    PROMETHEUS_MULTIPROC_DIR (each server makes its own)."""
+    env = {key: value for key, value in (base or os.environ).items() if not key.startswith("IMGSERVE_")}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    env.update({f"IMGSERVE_{key.upper()}": str(value) for key, value in settings.items()})
+    return env
+
+
+@dataclass
+class RunningServer:
+    """A server process: its URL, process and log file, and what its process tree is and uses."""
+
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log()[-chars:]
+
+    def tree(self) -> list[psutil.Process]:
+        """The server's main process and every process below it."""
+        with contextlib.suppress(psutil.NoSuchProcess):
+            main = psutil.Process(self.process.pid)
+            return [main, *main.children(recursive=True)]
+        return []
+
+    def worker_pids(self) -> list[int]:
+        """Inference workers: the spawned children (spawn_main) of the server."""
+        workers = []
+        for process in self.tree()[1:]:
+            with contextlib.suppress(psutil.Error):
+                if "spawn_main" in " ".join(process.cmdline()):
+                    workers.append(process.pid)
+        return workers
+
+    def replaced_worker(self, before: set[int], timeout_s: float = 90) -> int:
+        """After one of the workers `before` was killed: the pid of the one started in its place, once the server
+        is ready again."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            now = set(self.worker_pids())
+            with contextlib.suppress(httpx.HTTPError):
+                ready = httpx.get(self.url + READY_PATH).status_code == 200
+                if len(now) == len(before) and now != before and ready:
+                    (fresh,) = now - before
+                    return fresh
+            time.sleep(0.5)
+        raise TimeoutError(f"no worker was started in place of the one killed:\n{self.log_tail()}")
+
+    def tree_cpu_s(self) -> float:
+        """CPU seconds (user + system) the whole process tree has used so far."""
+        return self._tree_sum(lambda process: sum(process.cpu_times()[:2]))
+
+    def tree_pss(self) -> int:
+        """Proportional set size of the whole process tree, in bytes: each page is charged 1/k to each of the k
+        processes that map it, so pages shared by every worker count once (RSS would count them once per worker)."""
+        return int(self._tree_sum(lambda process: process.memory_full_info().pss))
+
+    def _tree_sum(self, measure: Callable[[psutil.Process], float]) -> float:
+        """`measure` summed over the process tree (a process that exits meanwhile counts for nothing)."""
+        total = 0.0
+        for process in self.tree():
+            with contextlib.suppress(psutil.Error):
+                total += measure(process)
+        return total
+
+
+def start(command: list[str], port: int, log_path: Path, env: dict[str, str] | None = None) -> RunningServer:
+    """Start `command` (which must listen on 127.0.0.1:`port`) in a session of its own, logging to `log_path`;
+    returns at once (see `wait_ready`)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return RunningServer(f"http://{LOOPBACK}:{port}", process, log_path)
+
+
+def wait_ready(server: RunningServer, timeout_s: float = 180, ready_path: str = READY_PATH) -> None:
+    """Poll `ready_path` until 200; raise with the server's log if it exits or takes longer than `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"server exited with {server.process.returncode}:\n{server.log_tail()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(server.url + ready_path, timeout=2).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"server not ready after {timeout_s:.0f}s:\n{server.log_tail()}")
+
+
+def stop(server: RunningServer, grace_s: float = 15) -> None:
+    """SIGINT (a clean drain and stop), then SIGKILL whatever is left of the process tree."""
+    tree = server.tree()
+    if server.process.poll() is None:
+        server.process.send_signal(signal.SIGINT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.process.wait(timeout=grace_s)
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.process.pid, signal.SIGKILL)
+    server.process.wait(timeout=10)
+
+
+@contextlib.contextmanager
+def running(log_dir: Path | None = None, ready_timeout_s: float = 180, **settings: object) -> Iterator[RunningServer]:
+    """A ready `imgserve serve` with these settings (as IMGSERVE_<NAME>) until the block ends; its log goes to
+    `log_dir` (a temporary directory when None)."""
+    with contextlib.ExitStack() as stack:
+        directory = log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        port = free_port()
+        server = start(serve_command(port), port, directory / f"imgserve-{port}.log", settings_environment(settings))
+        stack.callback(stop, server)
+        wait_ready(server, ready_timeout_s)
+        yield server

@@ -1,0 +1,253 @@
+"""Pixels through shared-memory slots: what crosses LitServe's queues is small, slots are freed on every path, and
+/dev/shm and memory are back at their baseline after a flood, a kill -9 of a worker and a SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import stat
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from litserve.utils import LitAPIStatus, LoopResponseType
+from serving import image_bytes, start_server, stop_server, wait_ready
+
+from imgserve.config import Settings
+from imgserve.errors import ApiError
+from imgserve.handoff import slots as pixel_slots
+from imgserve.handoff import wire
+from imgserve.handoff.answers import AnswerSockets
+from imgserve.handoff.directory import LOCK, PREFIX, ServerDirectory
+from imgserve.handoff.dispatch import WORKER_CHECK_S, Dispatcher
+from imgserve.handoff.requests import RequestSocket
+from imgserve.handoff.slots import InSlot, SlotFiles
+from imgserve.handoff.state import SharedState
+from imgserve.models.denoiser import build_denoiser
+from imgserve.models.shared import SharedWeights
+from imgserve.pod import TorchThreads
+from imgserve.worker.api import ImageAPI, WorkerPlan
+from imgserve.worker.batching import BatchRunner, InMemory
+from loadtests.lib.closed_loop import run_closed_loop
+from loadtests.lib.images import square_jpegs
+
+SMALL_MESSAGE = 1024  # bytes: a request or an answer as it crosses the queues, whatever the image size
+
+
+@pytest.fixture
+def slot_dir(tmp_path: Path) -> Path:
+    directory = tmp_path / "slots"
+    directory.mkdir()
+    return directory
+
+
+def test_a_slot_round_trips_arrays_and_gives_big_ones_memory_back(slot_dir: Path) -> None:
+    files = SlotFiles(slot_dir)
+    image = np.random.default_rng(0).integers(0, 256, (300, 200, 3), dtype=np.uint8)
+    files.write(3, image)
+    assert (files.read(3, image.shape) == image).all()
+    assert pixel_slots.bytes_in_use(slot_dir) >= image.nbytes
+    files.trim(3)  # under KEEP_BYTES: kept for the next request
+    assert pixel_slots.bytes_in_use(slot_dir) >= image.nbytes
+    files.trim(3, keep_bytes=0)
+    assert pixel_slots.bytes_in_use(slot_dir) == 0
+    with pytest.raises(ApiError):  # the slot is empty now: a short read is an error, not garbage
+        files.read(3, image.shape)
+    files.close()
+
+
+def test_a_new_server_removes_the_directories_of_dead_servers_only(tmp_path: Path) -> None:
+    """Stale: ours and unlocked. Kept: a live server's (locked), one being made (no lock yet, young), another user's
+    or a symlink (never followed). A file planted where a lock would be cannot stop the start."""
+    dead = ServerDirectory.create(tmp_path)
+    (dead.slots / "0").write_bytes(b"pixels")
+    os.close(dead._lock_fd)  # the server was killed: nobody holds its lock now
+    live = ServerDirectory.create(tmp_path)  # removes `dead`
+    assert not dead.root.exists() and live.root.is_dir()
+    being_made = tmp_path / f"{PREFIX}being-made"
+    being_made.mkdir()
+    target = tmp_path / "someone-elses"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    (tmp_path / f"{PREFIX}symlink").symlink_to(target)
+    planted = tmp_path / f"{PREFIX}planted"
+    planted.mkdir()
+    (planted / LOCK).symlink_to(target / "keep")
+    os.utime(planted, (0, 0))  # old: its lock is tried, through no symlink
+    third = ServerDirectory.create(tmp_path)
+    assert live.root.is_dir() and (live.root / LOCK).exists(), "a live server's directory was removed"
+    assert being_made.is_dir() and (target / "keep").read_text() == "x"
+    assert third.root.is_dir() and stat.S_IMODE(third.root.stat().st_mode) == 0o700
+    for directory in (live, third):
+        directory.remove()
+    assert not live.root.exists() and not third.root.exists()
+
+
+def worker_plan(slot_dir: Path, batch_size: int) -> WorkerPlan:
+    """One worker alone on its device, loading its own copy of the model."""
+    return WorkerPlan(slot_dir, SharedWeights(0, reason="a test worker"), batch_size, TorchThreads(1, 1), 1, 0)
+
+
+def test_the_worker_reads_pixels_from_the_slot_and_answers_with_a_few_bytes(slot_dir: Path) -> None:
+    settings = Settings(max_batch_size=4)
+    state = SharedState(workers=1, request_slots=8)
+    api = ImageAPI(settings, state, worker_plan(slot_dir, batch_size=4))
+    ctrl_c = signal.getsignal(signal.SIGINT)
+    api.setup("cpu")  # as a worker, it leaves Ctrl-C to the main process: this test's process takes it back
+    signal.signal(signal.SIGINT, ctrl_c)
+    images = [np.random.default_rng(i).integers(0, 256, (256, 320, 3), dtype=np.uint8) for i in range(3)]
+    files, requests = SlotFiles(slot_dir), []
+    for slot, image in enumerate(images):
+        files.write(slot, image)
+        state.set_owner(slot, 10 + slot)
+        requests.append({"slot": (slot, 10 + slot), "shape": image.shape, "deadline": time.monotonic() + 30})
+        requests[-1]["admitted"] = time.monotonic()
+    answers = api.predict(api.batch([api.decode_request(r) for r in requests]))
+    expected = BatchRunner(build_denoiser(), api.runner.device, channels_last=True)([InMemory(i) for i in images])
+    for slot, (request, answer) in enumerate(zip(requests, answers, strict=True)):
+        assert isinstance(answer, InSlot) and answer.shape == images[slot].shape
+        packed_answer = wire.pack_answer(("uid", (answer, LitAPIStatus.OK, LoopResponseType.REGULAR, 0)))
+        assert len(wire.pack_request((0, "uid", 1.0, request))) < SMALL_MESSAGE and len(packed_answer) < SMALL_MESSAGE
+        output = files.read(slot, answer.shape, answer.dtype)
+        assert np.abs(output.astype(int) - expected[slot].astype(int)).max() <= 1
+
+
+def test_a_cpu_worker_runs_a_lone_batch_on_all_its_threads_and_its_share_while_others_are_in_flight(
+    slot_dir: Path,
+) -> None:
+    state = SharedState(workers=2, request_slots=4)
+    plan = WorkerPlan(slot_dir, SharedWeights(0, reason="a test worker"), 1, TorchThreads(2, 1), 2, 0)
+    api = ImageAPI(Settings(max_batch_size=1), state, plan)
+    ctrl_c, threads = signal.getsignal(signal.SIGINT), torch.get_num_threads()
+    api.setup("cpu")
+    signal.signal(signal.SIGINT, ctrl_c)
+    image = np.zeros((16, 16, 3), dtype=np.uint8)
+    SlotFiles(slot_dir).write(0, image)
+    state.set_owner(0, 1)
+    request = {"slot": (0, 1), "shape": image.shape, "deadline": time.monotonic() + 30, "admitted": time.monotonic()}
+    try:
+        used = []
+        for admitted in (1, 3):  # this request alone; then two more in flight elsewhere in the pod
+            assert state.try_admit(limit=8, count=admitted)
+            api.predict([request])
+            used.append(torch.get_num_threads())
+            state.release(admitted)
+        assert used == [2, 1]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_result_is_not_written_into_a_slot_that_moved_on(slot_dir: Path) -> None:
+    state = SharedState(workers=1, request_slots=2)
+    api = ImageAPI(Settings(), state, worker_plan(slot_dir, batch_size=1))
+    api.slots = SlotFiles(slot_dir)
+    state.set_owner(0, 99)  # the front end gave request 5 up and put request 99 in slot 0
+    answer = api._place({"slot": (0, 5)}, np.ones((200, 200, 3), dtype=np.uint8))
+    assert isinstance(answer, ApiError) and pixel_slots.bytes_in_use(slot_dir) == 0
+
+
+def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its_answer(slot_dir: Path) -> None:
+    """Plays the worker by hand on the real request and answer sockets."""
+    state = SharedState(workers=1, request_slots=4)
+    requests, answers = RequestSocket(slot_dir.parent), AnswerSockets(slot_dir.parent, 1)
+    dispatcher = Dispatcher(state, slot_dir, slots_per_front_end=2, retry_after_s=1)
+    image = np.random.default_rng(1).integers(0, 256, (512, 512, 3), dtype=np.uint8)
+
+    async def handler(timeout: float) -> object:
+        async with dispatcher.slot() as slot:
+            slot.write(image)
+            return slot.result(await slot.submit(image.shape, time.monotonic() + timeout))
+
+    def work(message: tuple, taken: bool = False) -> None:
+        """What a worker does: take the request, read the slot, write the answer into it, send a small answer."""
+        _, uid, _, payload = message
+        index, ticket = payload["slot"]
+        assert taken or state.mark_taken(index, ticket, worker=0)
+        files = SlotFiles(slot_dir)
+        pixels = files.read(index, payload["shape"])
+        files.write(index, 255 - pixels)
+        answers.send((uid, (InSlot(pixels.shape, "|u1"), LitAPIStatus.OK, LoopResponseType.REGULAR, 0)), 0)
+
+    async def scenario() -> None:
+        dispatcher.start(0, requests, answers.receiver(0))
+        task = asyncio.create_task(handler(timeout=30))
+        message = await asyncio.to_thread(requests.get, timeout=5)
+        assert len(wire.pack_request(message)) < SMALL_MESSAGE, "pixels went through the queue"
+        await asyncio.to_thread(work, message)
+        assert (await task == 255 - image).all()
+        assert state.queue_depth == 0 and len(dispatcher._free) == 2
+
+        # Given up (deadline) while the worker still has it: the slot waits for the worker's answer.
+        late = asyncio.create_task(handler(timeout=0.3))
+        message = await asyncio.to_thread(requests.get, timeout=5)
+        with pytest.raises(ApiError) as error:
+            await late
+        assert error.value.status == 504 and len(dispatcher._free) == 1
+        await asyncio.to_thread(work, message)
+        for _ in range(50):
+            await asyncio.sleep(0.02)
+            if len(dispatcher._free) == 2:
+                break
+        assert len(dispatcher._free) == 2, "the slot was not freed when the late answer came"
+
+        # A worker dies while being handed a request (it had received it, not yet marked it): it is queued again.
+        lost = asyncio.create_task(handler(timeout=30))
+        await asyncio.to_thread(requests.get, timeout=5)  # ... and never marked: the worker is gone
+        state.worker_lost(0)
+        resent = await asyncio.to_thread(requests.get, timeout=5)
+        # Its replacement (the same worker index) takes the copy: the request is the new worker's, not lost with
+        # the dead one, and its slot stays the request's until the answer.
+        assert state.mark_taken(*resent[3]["slot"], worker=0)
+        await asyncio.sleep(4 * WORKER_CHECK_S)
+        assert not lost.done() and len(dispatcher._free) == 1, "failed with the dead worker"
+        state.worker_back(0)
+        await asyncio.to_thread(work, resent, True)
+        assert (await lost == 255 - image).all()
+        assert not state.mark_taken(*resent[3]["slot"], worker=0), "a second copy of a taken request must be dropped"
+
+        # Every slot held: the next request is shed, not queued without a slot.
+        blockers = [asyncio.create_task(handler(timeout=30)) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        with pytest.raises(ApiError) as error:
+            await handler(timeout=30)
+        assert (error.value.status, error.value.code) == (503, "queue_full")
+        for _ in blockers:
+            await asyncio.to_thread(work, await asyncio.to_thread(requests.get, timeout=5))
+        await asyncio.gather(*blockers)
+        answers.close()  # the shutdown sentinel ends the reader thread
+
+    asyncio.run(scenario())
+
+
+def test_after_a_flood_a_kill_and_a_sigterm_shared_memory_and_rss_are_back_at_baseline(tmp_path: Path) -> None:
+    server = start_server({"max_batch_size": 4, "drain_timeout_s": 20}, tmp_path)
+    try:
+        wait_ready(server)
+        url = f"{server.url}/predict"
+        assert httpx.post(url, content=image_bytes(64, 64), headers={"Content-Type": "image/png"}).status_code == 200
+        baseline = server.tree_pss()
+        big = square_jpegs(768, count=2)
+        flood = run_closed_loop(url, users=32, seconds=6, images=big)
+        assert flood.failed == 0 and flood.answered, flood.errors()
+        assert server.metric("imgserve_shared_memory_bytes") > 0, "the images did not go through shared memory"
+
+        os.kill(server.worker_pids()[0], signal.SIGKILL)
+        after_kill = run_closed_loop(url, users=16, seconds=3, images=big)
+        assert after_kill.failed == 0 and {o.status for o in after_kill.outcomes} <= {200, 503}, after_kill.errors()
+        wait_ready(server, timeout=60)
+        assert server.slots_freed(), "a slot is still held after every answer came back"
+
+        time.sleep(8)  # idle: free slots empty themselves, idle workers give their batch memory back
+        held = {path.name: path.stat().st_blocks * 512 for path in server.slot_directory.iterdir()}
+        assert server.metric("imgserve_shared_memory_bytes") == 0, f"slot files still holding memory: {held}"
+        assert server.tree_pss() < baseline * 1.3, (baseline, server.tree_pss())
+        private = server.private_directory
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=30) == 0
+        assert not private.exists(), "the server left shared memory behind"
+    finally:
+        stop_server(server)

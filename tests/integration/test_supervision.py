@@ -1,0 +1,240 @@
+"""The main process supervises every child, tested by kill -9 under load: a dead HTTP front end is replaced (and one
+that keeps dying ends the server), a dead inference worker's requests are answered 503 while it is restarted, and a
+dead queue process ends the server after answering what waited with 503. (One request on a killed worker, timed:
+tests/integration/test_faults.py.)"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import signal
+import threading
+import time
+from urllib.parse import urlsplit
+
+import httpx
+import psutil
+from serving import (
+    Server,
+    image_bytes,
+    running_server,
+    sockets,
+    start_server,
+    stop_server,
+    wait_ready,
+    wait_until,
+)
+
+from imgserve.handoff.state import SharedState
+from loadtests.lib.closed_loop import run_closed_loop
+
+PNG = {"Content-Type": "image/png"}
+IMAGE = image_bytes(32, 24)
+REPLACED_WITHIN_S = 5.0  # the issue's bound for a replaced front end and for a server ended by a dead queue
+
+
+def lines_with(server: Server, text: str) -> list[str]:
+    """The server's log lines that contain `text`."""
+    return [line for line in server.log().splitlines() if text in line]
+
+
+def assert_all_gone(pids: set[int]) -> None:
+    """The server's children are gone soon after it (the resource tracker ends once its last user has)."""
+    left = lambda: [(pid, _command(pid)) for pid in pids if psutil.pid_exists(pid)]  # noqa: E731
+    wait_until(lambda: not left(), 5, f"processes left behind: {left()}")
+
+
+def _command(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())[:100]
+    except psutil.Error:
+        return "gone"
+
+
+class PinnedClient:
+    """One keep-alive HTTP connection, so the front end that accepted it is known and stays the same."""
+
+    def __init__(self, server: Server) -> None:
+        url = urlsplit(server.url)
+        self.connection = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+        self.post()  # connects
+
+    def post(self) -> int:
+        """POST one image on this connection; the status."""
+        self.connection.request("POST", "/predict", body=IMAGE, headers=PNG)
+        response = self.connection.getresponse()
+        response.read()
+        return response.status
+
+    def front_end(self, server: Server) -> int:
+        """The pid of the front end holding this connection's server side."""
+        port = self.connection.sock.getsockname()[1]
+        for pid in server.front_end_pids().values():
+            if any(c.raddr and c.raddr.port == port for c in sockets(psutil.Process(pid), "tcp")):
+                return pid
+        raise AssertionError(f"no front end holds the connection from port {port}")
+
+
+def clients_on_two_front_ends(server: Server, attempts: int = 40) -> tuple[list[PinnedClient], list[PinnedClient]]:
+    """Open connections until each of the two front ends holds some (the kernel picks who accepts)."""
+    # Ready is the first front end's word: the second may still be binding its answer socket.
+    wait_until(lambda: len(server.front_end_pids()) == 2, 10, "both front ends up")
+    first, second = sorted(server.front_end_pids().values())
+    clients: dict[int, list[PinnedClient]] = {first: [], second: []}
+    for _ in range(attempts):
+        client = PinnedClient(server)
+        clients[client.front_end(server)].append(client)
+        if len(clients[first]) >= 2 and len(clients[second]) >= 2:
+            break
+    assert all(clients.values()), f"the kernel gave every connection to one front end: {clients}"
+    return clients[first], clients[second]
+
+
+def test_killed_front_end_is_replaced_and_the_other_keeps_serving(tmp_path) -> None:
+    with running_server(tmp_path, api_servers=2, workers_per_device=1) as server:
+        victims, survivors = clients_on_two_front_ends(server)
+        victim = victims[0].front_end(server)
+        [victim_index] = [i for i, pid in server.front_end_pids().items() if pid == victim]
+        statuses: list[int] = []
+        stop_load = threading.Event()
+
+        def keep_posting(client: PinnedClient) -> None:
+            while not stop_load.is_set():
+                statuses.append(client.post())
+
+        load = [threading.Thread(target=keep_posting, args=(client,)) for client in survivors]
+        for thread in load:
+            thread.start()
+        time.sleep(0.5)
+        killed_at = time.monotonic()
+        os.kill(victim, signal.SIGKILL)
+        replacement = wait_until(
+            lambda: (pid := server.front_end_pids().get(victim_index)) not in (None, victim) and pid,
+            REPLACED_WITHIN_S,
+            "the killed front end replaced",
+            interval_s=0.05,
+        )
+        replaced_s = time.monotonic() - killed_at
+        time.sleep(0.5)
+        stop_load.set()
+        for thread in load:
+            thread.join(timeout=30)
+        print(f"front end replaced {replaced_s:.2f} s after kill -9")
+        assert statuses and set(statuses) == {200}, "requests on the other front end were disturbed"
+        # The replacement serves: new connections reach it.
+        wait_until(lambda: PinnedClient(server).front_end(server) == replacement, 10, "a connection to the replacement")
+        assert server.metric("imgserve_front_end_restarts_total") == 1
+        assert len(lines_with(server, f"HTTP front end {victim_index} died")) == 1
+        assert server.zombies() == []
+        assert server.process.poll() is None
+
+
+def test_a_lone_front_end_killed_under_load_is_replaced_and_the_server_answers_again(tmp_path) -> None:
+    """The worst case: the only front end (--api-servers 1; a CPU pod runs 2 by default) killed during a load."""
+    with running_server(tmp_path, api_servers=1) as server:
+        [front_end] = server.front_end_pids().values()
+        killer = threading.Timer(1.0, os.kill, (front_end, signal.SIGKILL))
+        killer.start()
+        load = run_closed_loop(f"{server.url}/predict", users=4, seconds=2.5, warmup_s=0)
+        killer.join()
+        # The killed front end's connections died with it; every other request was answered, none hung.
+        assert load.answered, load.errors()
+        assert all(o.ok or o.status == 0 for o in load.outcomes), load.errors()
+        assert load.failed <= 4, load.errors()  # at most each user's request in flight on the dead front end
+        wait_until(lambda: server.front_end_pids() and front_end not in server.front_end_pids().values(), 5, "replaced")
+        assert httpx.post(f"{server.url}/predict", content=IMAGE, headers=PNG, timeout=30).status_code == 200
+        assert server.metric("imgserve_queue_depth") == 0, "the dead front end's admitted requests were not written off"
+        assert server.zombies() == []
+
+
+def test_killed_worker_under_load_costs_only_503s(tmp_path) -> None:
+    with running_server(tmp_path) as server:
+        worker = server.worker_pids()[0]
+        killer = threading.Timer(1.0, os.kill, (worker, signal.SIGKILL))
+        killer.start()
+        load = run_closed_loop(f"{server.url}/predict", users=4, seconds=3)
+        killer.join()
+        assert load.failed == 0, load.errors()  # every request a correct 200 or an explicit 503
+        assert load.answered
+        wait_ready(server, timeout=60)
+        assert worker not in server.worker_pids()
+        assert server.metric("imgserve_worker_restarts_total") == 1
+        assert server.metric("imgserve_queue_depth") == 0
+        assert server.zombies() == []
+
+
+def test_front_end_that_keeps_dying_ends_the_server(tmp_path) -> None:
+    server = start_server({"api_servers": 1}, tmp_path)
+    try:
+        wait_ready(server)
+        children = server.descendants()
+        for death in range(3):
+            [front_end] = wait_until(lambda: list(server.front_end_pids().values()), 5, f"front end {death + 1} up")
+            os.kill(front_end, signal.SIGKILL)
+            wait_until(lambda pid=front_end: pid not in server.front_end_pids().values(), 5, "the front end gone")
+        assert server.process.wait(timeout=30) == 1
+        assert len(lines_with(server, "3 front-end deaths in 60 s")) == 1, server.log_tail()
+        assert "Traceback" not in server.log()
+        assert_all_gone(children)
+    finally:
+        stop_server(server)
+
+
+def test_dead_queue_process_answers_503_and_ends_the_server(tmp_path, toy_model) -> None:
+    os.environ["TOY_DELAY_S"] = "0.5"  # requests wait in the queue when it dies
+    server = start_server({"workers_per_device": 1, "max_batch_size": 1, **toy_model("Slow")}, tmp_path)
+    try:
+        wait_ready(server)
+        children = server.descendants()
+        results = []
+        load = threading.Thread(
+            target=lambda: results.append(run_closed_loop(f"{server.url}/predict", users=6, seconds=3, timeout_s=20))
+        )
+        load.start()
+        time.sleep(1.0)
+        os.kill(server.queue_pid(), signal.SIGKILL)
+        killed_at = time.monotonic()
+        assert server.process.wait(timeout=30) == 1
+        ended_s = time.monotonic() - killed_at
+        load.join(timeout=60)
+        print(f"server ended {ended_s:.2f} s after its queue process was killed")
+        [load] = results
+        # Every request waiting when the queue died was answered 503; later ones were refused or found the port shut.
+        codes = {o.status for o in load.outcomes}
+        assert 503 in codes and codes <= {200, 503, 0}, load.errors()
+        assert all(o.latency_s < REPLACED_WITHIN_S for o in load.outcomes), "a request hung on the dead queue"
+        assert ended_s < REPLACED_WITHIN_S
+        assert len(lines_with(server, "LitServe's queue process died")) == 1, server.log_tail()
+        assert "Traceback" not in server.log()
+        assert_all_gone(children)
+    finally:
+        stop_server(server)
+
+
+def test_ctrl_c_stops_every_child_without_taking_them_for_dead(tmp_path) -> None:
+    """SIGINT is a stop, not a failure: no child is 'restarted' on the way out, and none is left behind."""
+    server = start_server({}, tmp_path)
+    try:
+        wait_ready(server)
+        assert httpx.post(f"{server.url}/predict", content=IMAGE, headers=PNG, timeout=30).status_code == 200
+        children = {process.pid for process in server.tree()[1:]}
+        front_ends = len(server.front_end_pids())
+        server.process.send_signal(signal.SIGINT)
+        server.process.wait(timeout=60)
+        assert lines_with(server, "died") == [] and front_ends > 0
+        assert len(lines_with(server, "Started server process")) == front_ends, server.log_tail()
+        assert_all_gone(children)
+    finally:
+        stop_server(server)
+
+
+def test_a_dead_front_end_takes_its_grpc_service_with_it() -> None:
+    """Ready waits for gRPC (--grpc-port): a front end killed while serving it leaves the pod not ready until its
+    replacement listens again, and another front end's death does not touch it."""
+    state = SharedState(workers=1, request_slots=2, front_ends=2)
+    state.serve_as(0)
+    state.serve_grpc(True)
+    state.forget_front_end(1)
+    assert state.grpc_serving
+    state.forget_front_end(0)
+    assert not state.grpc_serving

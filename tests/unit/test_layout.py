@@ -1,0 +1,168 @@
+"""The package's shape: every folder a regular package that says which process runs it; imports run one way (front
+end -> hand-off <- worker); no cycle between modules or between rooms (top-level modules and subpackages); nothing
+imports the composition root but the command that runs it; no cycles in loadtests/; nothing installed as `service`."""
+
+from __future__ import annotations
+
+import ast
+import pkgutil
+from pathlib import Path
+
+from serving import REPO, SOURCE
+
+PACKAGE = SOURCE / "imgserve"
+# Each process role and what it may import from the package (besides itself and the shared top-level modules).
+ROLES = {
+    "frontend": {"handoff", "models"},
+    "worker": {"handoff", "models"},
+    "handoff": set(),
+    "supervisor": {"handoff"},
+    "models": set(),
+    "tools": {"models"},
+}
+SHARED = {
+    "imgserve",
+    "imgserve.config",
+    "imgserve.errors",
+    "imgserve.heap",
+    "imgserve.metrics",
+    "imgserve.pod",
+    "imgserve.engine",
+}
+ENTRY_POINTS = {"imgserve.cli", "imgserve.__main__"}  # the command may start the server; nothing else imports it
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path, prefix: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same tree it imports (at any depth of the file: lazy imports count)."""
+    modules = {module_name(path, root): path for path in (root / prefix).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{anchor}.{base}" if base else anchor
+                targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+            else:
+                continue
+            found |= {target for target in targets if target in modules and target != name}
+        graph[name] = found
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every import cycle found by a depth-first search (each reported once, from where it was entered)."""
+    found, state = [], {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = "open"
+        for target in sorted(graph[node]):
+            if state.get(target) == "open":
+                found.append(trail[trail.index(target) :] + [target])
+            elif target not in state:
+                visit(target, [*trail, target])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return found
+
+
+def room(module: str) -> str:
+    """A module's room: its top-level module or subpackage of the package (`imgserve.frontend.v2.http` ->
+    `imgserve.frontend`)."""
+    return ".".join(module.split(".")[:2])
+
+
+def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Room -> the other rooms its modules import."""
+    rooms: dict[str, set[str]] = {room(module): set() for module in graph}
+    for module, targets in graph.items():
+        rooms[room(module)] |= {room(target) for target in targets} - {room(module)}
+    return rooms
+
+
+def role(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 and parts[1] in ROLES else None
+
+
+def test_the_package_has_no_import_cycles() -> None:
+    assert cycles(import_graph(SOURCE, "imgserve")) == []
+
+
+def test_no_cycle_between_rooms() -> None:
+    assert cycles(room_graph(import_graph(SOURCE, "imgserve"))) == []
+
+
+def test_every_folder_is_a_regular_package_that_says_who_runs_it() -> None:
+    folders = [path for path in PACKAGE.rglob("*") if path.is_dir() and path.name != "__pycache__"]
+    assert folders, "no subpackages found"
+    for folder in [PACKAGE, *folders]:
+        init = folder / "__init__.py"
+        assert init.is_file(), f"{folder} is not a regular package"
+        docstring = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "process" in docstring or folder == PACKAGE, f"{init} does not say which process runs it"
+    seen = {name for _, name, _ in pkgutil.walk_packages([str(PACKAGE)], "imgserve.")}
+    files = set(import_graph(SOURCE, "imgserve")) - {"imgserve"}
+    assert files <= seen, f"pkgutil does not see {sorted(files - seen)}"
+
+
+def test_imports_run_one_way() -> None:
+    wrong = []
+    for module, targets in import_graph(SOURCE, "imgserve").items():
+        for target in targets:
+            if target == "imgserve.server" and module not in ENTRY_POINTS:
+                wrong.append(f"{module} imports the composition root")
+            here, there = role(module), role(target)
+            if there is None or there == here:
+                continue
+            if here is None and module not in ENTRY_POINTS | {"imgserve.server"}:
+                if module in SHARED and there != "handoff":
+                    wrong.append(f"shared {module} imports {target}")
+            elif here is not None and there not in ROLES[here]:
+                wrong.append(f"{module} ({here}) imports {target} ({there})")
+    assert wrong == []
+
+
+def test_the_checker_sees_a_wrong_way_import(tmp_path: Path) -> None:
+    """The rules above can fail: a worker module that imports the front end, and a cycle, are both caught."""
+    tree = tmp_path / "imgserve"
+    for folder in ("worker", "frontend"):
+        (tree / folder).mkdir(parents=True)
+        (tree / folder / "__init__.py").write_text("")
+    (tree / "__init__.py").write_text("")
+    (tree / "worker" / "api.py").write_text("from imgserve.frontend import routes\n")
+    (tree / "frontend" / "routes.py").write_text("from imgserve.worker.api import x\n")
+    graph = import_graph(tmp_path, "imgserve")
+    assert graph["imgserve.worker.api"] == {"imgserve.frontend.routes", "imgserve.frontend"}
+    assert cycles(graph) == [["imgserve.frontend.routes", "imgserve.worker.api", "imgserve.frontend.routes"]]
+
+
+def test_the_checker_sees_a_cycle_between_rooms(tmp_path: Path) -> None:
+    """Two modules that import each other's rooms, not each other: no module cycle, a room cycle."""
+    tree = tmp_path / "imgserve"
+    (tree / "handoff").mkdir(parents=True)
+    for init in (tree / "__init__.py", tree / "handoff" / "__init__.py"):
+        init.write_text("")
+    (tree / "metrics.py").write_text("from imgserve.handoff import slots\n")
+    (tree / "handoff" / "slots.py").write_text("x = 1\n")
+    (tree / "handoff" / "dispatch.py").write_text("from imgserve import metrics\n")
+    graph = import_graph(tmp_path, "imgserve")
+    assert cycles(graph) == []
+    assert cycles(room_graph(graph)) == [["imgserve.handoff", "imgserve.metrics", "imgserve.handoff"]]
+
+
+def test_loadtests_have_no_import_cycles() -> None:
+    assert cycles(import_graph(REPO, "loadtests")) == []
