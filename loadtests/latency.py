@@ -5,8 +5,8 @@
 Three cells, each next to its in-process reference measured right before and right after it (the faster one is
 kept): the built-in denoiser at 128x128 (decode, channels-last model, JPEG encode on one thread), and the near-free
 model (loadtests/overhead.py) at 128x128 and 1024x1024. A closed-loop client with one user sends one JPEG after the
-other. Issue 22's targets: denoiser 128 p50 <= 1.15x the in-process single-image time, near-free 1024 p50 <= 1.3x,
-near-free 128 answers/s at least 450 (the figure before issue 22).
+other. The targets (docs/benchmarks.md): denoiser 128 p50 <= 1.15x the in-process single-image time, near-free 1024
+p50 <= 1.3x, near-free 128 at least 450 answers/s on a 2-core VM.
 """
 
 from __future__ import annotations

@@ -181,7 +181,7 @@ class Cell:
 
 @dataclass(frozen=True)
 class Target:
-    """A target (issues 13 and 22): throughput >= factor x the 2-thread limit, or p50 <= factor x one image's time."""
+    """A target: throughput >= factor x the 2-thread limit, or p50 <= factor x one image's time."""
 
     side: int
     users: int

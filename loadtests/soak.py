@@ -2,7 +2,7 @@
 
 `python -m loadtests.soak --minutes 30 [--users 32] [--out loadtests/results/soak.md] [--setting NAME=VALUE ...]`
 
-The mix (issue 21): `--users` closed-loop clients posting JPEGs from 64x64 to 1024x1024; 10% of the uploads are
+The mix: `--users` closed-loop clients posting JPEGs from 64x64 to 1024x1024; 10% of the uploads are
 corrupt (truncated JPEGs: 400) and 10% of the clients give up 5 ms after sending (the server answers nobody).
 Goals: no 5xx fault (a 503 shed or a 504 deadline is the contract's answer to too much load: counted, allowed);
 PSS with no upward trend under load (the mean of the last third of the load window within 5% of

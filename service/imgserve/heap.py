@@ -2,7 +2,7 @@
 free heap memory back once idle.
 
 glibc serves every allocation over 32 MiB (a CPU batch, an activation) with a fresh mmap, so each batch pays a
-page fault per 4 KiB: for a near-free model on 1 MP images that was 3/4 of the worker's CPU. With mmap off and
+page fault per 4 KiB, which can cost a light model more than its own work. With mmap off and
 trimming deferred, freed batches are reused as they are; `trim` hands the memory back once the worker is idle, and
 `BatchHeap` bounds what a busy worker keeps to what its recent batches need.
 An HTTP front end decodes on a thread pool, and glibc gives each thread an arena that keeps what was freed in it:

@@ -10,7 +10,7 @@ from types import ModuleType
 import pytest
 from prom import CHART_VALUES, CONTRACT_METRICS, DASHBOARD, GENERATOR, dashboard, helm_template, metric_names
 
-# What the dashboard must show (issue 4), each as words of a panel title and a metric a panel of it queries.
+# What the dashboard must show, each as words of a panel title and a metric a panel of it queries.
 REQUIRED_PANELS = {
     "Throughput by status code": "imgserve_requests_total",
     "Latency p50 / p95 / p99": "imgserve_request_duration_seconds",

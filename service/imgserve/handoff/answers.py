@@ -1,8 +1,8 @@
 """Answers from the inference workers to each front end: one Unix datagram socket per front end.
 
 LitServe 0.2.19 (pinned `<0.3`) sends every answer through a Manager queue: a synchronous round trip to the queue
-process for the worker, another for the front end, and the queue process's CPU for both (at 128x128 the workers
-spent 45% of their time in that `put`). A datagram is sent without waiting for anyone, and is delivered whole or not
+process for the worker, another for the front end, and the queue process's CPU for both (docs/architecture.md
+measures it). A datagram is sent without waiting for anyone, and is delivered whole or not
 at all: a worker killed while sending cannot corrupt what the others send, and there is no shared lock for it to die
 holding. This plugs in at LitServe's own seam, its `MessageTransport`: the workers' loop calls `send` as it would
 on LitServe's transport. Answers are msgpack (`wire`); each front end's socket is a file in the server's private

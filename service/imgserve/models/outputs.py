@@ -127,8 +127,8 @@ def to_pixels(output: torch.Tensor) -> np.ndarray:
     """A model's NxCxHxW output in [0, 1] -> uint8 NxHxWxC on the host, quantised on the device.
 
     The output is scaled in place (it is the batch's own; a broadcast view is copied first), then cast and laid out
-    as NHWC in one copy. A channels-last output on the CPU is cast by numpy: 1.7 vs 2.3 ms at 1024x1024 on 2 threads
-    (1.9 vs 3.3 on one), torch's float -> uint8 cast being the slow pass; a strided one is cast faster by torch.
+    as NHWC in one copy. A channels-last output on the CPU is cast by numpy, whose float -> uint8 cast of dense memory
+    is the faster one there (docs/architecture.md, "How the model runs"); a strided one is cast faster by torch.
     """
     with torch.inference_mode():
         output = output.detach()

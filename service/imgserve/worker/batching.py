@@ -211,7 +211,7 @@ class BatchRunner:
         if self.device.type != "cpu" or threads == 1 or batch.numel() >= ONE_THREAD_ELEMENTS:
             yield
             return
-        torch.set_num_threads(1)  # ~0.1 us: it sets OpenMP's count for the next parallel region
+        torch.set_num_threads(1)  # it only sets OpenMP's count for the next parallel region
         try:
             yield
         finally:

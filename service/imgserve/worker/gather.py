@@ -6,10 +6,10 @@ full, when `batch_timeout` has passed since its oldest request was queued, or at
 request could join it (so a lone request never waits for company). Each request it takes is marked in shared
 memory as this worker's, where LitServe sends a START message through the queue process per request.
 
-It also runs the batch itself (`run_batched_loop`): LitServe 0.2.19's loop (pinned `<0.3`) wraps each of the API's
-six steps in `inspect.signature` and fires six callback events per batch, 53 us per batch of one, against 2 us for
-taking the batch, predicting and answering here (one process, the steps as identity functions). imgserve's API has
-no spec, no callbacks and no per-request decode/encode steps, so that is all its loop needs.
+It also runs the batch itself (`run_batched_loop`): take the batch, predict, answer. LitServe's loop wraps each of
+the API's six steps in `inspect.signature` and fires six callback events per batch, many times the cost of these
+three (docs/architecture.md, "How a batch is gathered"); imgserve's API has no spec, no callbacks and no per-request
+decode/encode steps in the worker, so these three are all its loop needs.
 """
 
 from __future__ import annotations
