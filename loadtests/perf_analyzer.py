@@ -166,7 +166,7 @@ def measure(args: argparse.Namespace, work: Path) -> list[Point]:
 
 
 def report(points: list[Point], compare: int) -> dict:
-    """The comparison at `compare` users (each client's mean over the rounds) and its three targets (docs/benchmarks.md)."""
+    """The comparison at `compare` users (each client's mean over the rounds) and its three targets."""
     rounds: dict[str, list[float]] = {}
     for point in points:
         if point.concurrency == compare:
