@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as triton
 from PIL import Image
-from serving import TESTS, Server, image_bytes, running_server
+from serving import SUPPORT, Server, image_bytes, running_server
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
@@ -159,7 +159,7 @@ def test_kserves_clients(server: Server, tmp_path) -> None:
     its InferenceGRPCClient (its own stubs, from grpc_predict_v2.proto) reads readiness and infers."""
     path = tmp_path / "photo.jpg"
     path.write_bytes(image_bytes(40, 30, "JPEG"))
-    command = [sys.executable, str(TESTS / "kserve_client.py"), server.url, MODEL, str(path)]
+    command = [sys.executable, str(SUPPORT / "kserve_client.py"), server.url, MODEL, str(path)]
     run = subprocess.run([*command, f"127.0.0.1:{server.grpc_port}"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     found = json.loads(run.stdout)
