@@ -10,11 +10,10 @@ from collections.abc import Iterator
 
 import litserve as ls
 import pytest
-from litserve.loops.base import _SENTINEL_VALUE, _StopLoopError
 from litserve.transport.process_transport import MPQueueTransport
 
 from imgserve.handoff.state import SharedState
-from imgserve.worker.gather import IDLE_WAIT_S, GatheringLoop
+from imgserve.worker.gather import IDLE_WAIT_S, GatheringLoop, QueueGone
 
 
 class Echo(ls.LitAPI):
@@ -143,41 +142,60 @@ def test_a_stale_ticket_in_a_reused_slot_is_not_taken_for_the_new_request() -> N
     assert state.taken_by(3, ticket=7) is None
 
 
-def test_the_stop_sentinel_ends_the_loop(setup) -> None:
-    loop, state, requests, transport, _ = setup
-    requests.put(_SENTINEL_VALUE)
-    with pytest.raises(_StopLoopError):
+@pytest.fixture
+def doomed_queue() -> Iterator[tuple[object, object]]:
+    """A request queue whose Manager process the test may stop (the queue is then gone, as when the server stops):
+    (its manager, the queue as the loop reads it)."""
+    running = mp.get_context("spawn").Manager()
+    try:
+        yield running, RecordingQueue(running.Queue())
+    finally:
+        running.shutdown()
+
+
+def test_a_queue_that_is_gone_ends_the_loop(setup, doomed_queue) -> None:
+    """Once the request queue's process is gone, reading it ends the worker's loop (no stop message is needed)."""
+    loop, state, _, transport, answers = setup
+    doomed, requests = doomed_queue
+    doomed.shutdown()
+    with pytest.raises(QueueGone):
         loop.gather_batch(Echo(max_batch_size=4, batch_timeout=0.01), requests)
-
-
-class Failing(Echo):
-    def predict(self, x: object) -> object:
-        raise RuntimeError("the model broke")
-
-
-def test_the_loop_answers_each_request_of_a_batch_and_fails_a_whole_batch_whose_predict_raised(setup) -> None:
-    """imgserve's own loop (LitServe's adds six hooks per batch): one answer per request, OK with predict's answer,
-    or ERROR for every request of a batch whose predict raised; the loop goes on to the next batch either way."""
-    loop, state, requests, transport, answers = setup
-    long_ago = time.monotonic() - 10
-    for i in range(2):
-        requests.put(request(i, long_ago))
-    requests.put(_SENTINEL_VALUE)
-    admit(state, 2)
     loop.run_batched_loop(Echo(max_batch_size=4, batch_timeout=0.01), requests, transport, callback_runner=None)
-    got = [answers.get(timeout=5) for _ in range(2)]
-    assert [(uid, output["pixels"], status) for uid, (output, status, *_) in got] == [
-        ("u0", 0, ls.utils.LitAPIStatus.OK),
-        ("u1", 1, ls.utils.LitAPIStatus.OK),
-    ]
-    for i in (2, 3):
+    assert answers.empty()
+
+
+class FailsOnTwoAndThree(Echo):
+    def predict(self, x: object) -> object:
+        if any(payload["pixels"] in (2, 3) for payload in x):
+            raise RuntimeError("the model broke")
+        return x
+
+
+def test_the_loop_answers_each_request_of_a_batch_and_fails_a_whole_batch_whose_predict_raised(
+    setup, doomed_queue
+) -> None:
+    """imgserve's own loop (LitServe's adds six hooks per batch): one answer per request, OK with predict's answer,
+    or ERROR for every request of a batch whose predict raised; the loop goes on to the next batch either way, and
+    ends when its queue is gone."""
+    loop, state, _, transport, answers = setup
+    doomed, requests = doomed_queue
+    long_ago = time.monotonic() - 10
+    for i in range(5):
         requests.put(request(i, long_ago))
-    requests.put(_SENTINEL_VALUE)  # read after the failed batch: the loop went on
-    admit(state, 2)
-    loop.run_batched_loop(Failing(max_batch_size=2, batch_timeout=0.01), requests, transport, callback_runner=None)
-    got = [answers.get(timeout=5) for _ in range(2)]
-    assert [(uid, output, status) for uid, (output, status, *_) in got] == [
-        ("u2", None, ls.utils.LitAPIStatus.ERROR),
-        ("u3", None, ls.utils.LitAPIStatus.ERROR),
+    admit(state, 5)
+    api = FailsOnTwoAndThree(max_batch_size=2, batch_timeout=0.01)
+    runs = threading.Thread(target=loop.run_batched_loop, args=(api, requests, transport, None))
+    runs.start()
+    got = [answers.get(timeout=10) for _ in range(5)]
+    doomed.shutdown()
+    runs.join(timeout=10)
+    assert not runs.is_alive(), "the loop ended once its queue was gone"
+    ok, error = ls.utils.LitAPIStatus.OK, ls.utils.LitAPIStatus.ERROR
+    assert [(uid, output if status == error else output["pixels"], status) for uid, (output, status, *_) in got] == [
+        ("u0", 0, ok),
+        ("u1", 1, ok),
+        ("u2", None, error),
+        ("u3", None, error),
+        ("u4", 4, ok),  # taken after the failed batch: the loop went on
     ]
     assert answers.empty()

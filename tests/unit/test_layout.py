@@ -38,7 +38,11 @@ def module_name(path: Path, root: Path) -> str:
 
 
 def import_graph(root: Path, prefix: str) -> dict[str, set[str]]:
-    """Module -> the modules of the same tree it imports (at any depth of the file: lazy imports count)."""
+    """Module -> the modules of the same tree it imports (at any depth of the file: lazy imports count).
+
+    `from package import module` depends on that module, not on the package's __init__ (Python imports a submodule
+    the package has not finished setting up yet); `from package import name` of anything else depends on the
+    __init__ that defines the name."""
     modules = {module_name(path, root): path for path in (root / prefix).rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
@@ -52,7 +56,9 @@ def import_graph(root: Path, prefix: str) -> dict[str, set[str]]:
                 if node.level:
                     anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
                     base = f"{anchor}.{base}" if base else anchor
-                targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+                targets = [f"{base}.{alias.name}" for alias in node.names]
+                if not all(target in modules for target in targets):
+                    targets.append(base)
             else:
                 continue
             found |= {target for target in targets if target in modules and target != name}
@@ -146,8 +152,23 @@ def test_the_checker_sees_a_wrong_way_import(tmp_path: Path) -> None:
     (tree / "worker" / "api.py").write_text("from imgserve.frontend import routes\n")
     (tree / "frontend" / "routes.py").write_text("from imgserve.worker.api import x\n")
     graph = import_graph(tmp_path, "imgserve")
-    assert graph["imgserve.worker.api"] == {"imgserve.frontend.routes", "imgserve.frontend"}
+    assert graph["imgserve.worker.api"] == {"imgserve.frontend.routes"}
     assert cycles(graph) == [["imgserve.frontend.routes", "imgserve.worker.api", "imgserve.frontend.routes"]]
+
+
+def test_the_checker_sees_a_cycle_through_a_package_init(tmp_path: Path) -> None:
+    """A package whose __init__ re-exports its modules is no cycle with the modules that import their siblings
+    from it; a module that imports a name the __init__ defines, while the __init__ imports that module, is one."""
+    tree = tmp_path / "imgserve"
+    tree.mkdir()
+    (tree / "__init__.py").write_text("from imgserve.api import API\nfrom imgserve.errors import Error\n")
+    (tree / "errors.py").write_text("class Error(Exception): ...\n")
+    (tree / "api.py").write_text("from imgserve import errors\nAPI = 1\n")
+    assert cycles(import_graph(tmp_path, "imgserve")) == []
+    (tree / "api.py").write_text("from imgserve import Error, errors\nAPI = 1\n")
+    graph = import_graph(tmp_path, "imgserve")
+    assert graph["imgserve.api"] == {"imgserve", "imgserve.errors"}
+    assert cycles(graph) == [["imgserve", "imgserve.api", "imgserve"]]
 
 
 def test_the_checker_sees_a_cycle_between_rooms(tmp_path: Path) -> None:

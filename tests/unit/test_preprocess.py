@@ -7,23 +7,51 @@ import torch
 from PIL import Image
 from reference import IMAGENET_MEAN, IMAGENET_STD, photo, to_tensor, torchvision_by_hand
 
+from imgserve.api import Request
+from imgserve.codec import open_image
 from imgserve.config import Settings
-from imgserve.frontend.codec import decode_image
-from imgserve.models.preprocess import Geometry, Preprocess
-from imgserve.worker.batching import BatchRunner, InMemory
+from imgserve.models.builtin import ModelAPI
+from imgserve.models.preprocess import Geometry, Prepared, Preprocess
+from imgserve.testing import InProcess
+
+
+class Kinds:
+    """Where the API records the output kind it decided (the server's shared state does it in a server)."""
+
+    task: str | None = None
+
+    def set_task(self, kind: str) -> None:
+        self.task = kind
+
+
+class Recording(torch.nn.Module):
+    """An identity model that keeps a copy of every input it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.clone())
+        return x
+
+
+def prepare(data: bytes, preprocess: Preprocess) -> Prepared:
+    """What the front end makes of an upload: the strict decode, then the resize and crop."""
+    return preprocess(open_image(data, 10**8))
 
 
 @pytest.mark.parametrize(("width", "height"), [(500, 375), (333, 501), (259, 256), (300, 398), (1001, 257), (256, 256)])
 def test_imagenet_preset_is_resize_256_crop_224_normalize(width: int, height: int) -> None:
     settings = Settings(preprocess="imagenet")
     data = photo(width, height)
-    prepared = decode_image(data, 10**8, Preprocess.from_settings(settings))
-    seen = []  # what the model is given: the front end's resize + crop, then the worker's batch conversion
-    runner = BatchRunner(
-        lambda x: seen.append(x.clone()) or x, torch.device("cpu"), mean=settings.mean, std=settings.std
-    )
-    runner([InMemory(prepared.pixels)])
-    tensor = seen[0][0]
+    model = Recording()
+    api = ModelAPI(settings, Kinds(), pad=False)
+    api.model_loader = lambda device: model
+    worker = InProcess(api).setup()
+    # What the model is given: the built-in API's decode in the front end, then its batch in the worker.
+    worker.predict([api.decode_request(Request(body=data, content_type="image/png"))])
+    tensor = model.seen[-1][0]
     expected = torchvision_by_hand(data, 256, 224, Image.Resampling.BILINEAR)
     assert tensor.shape == (3, 224, 224)
     assert torch.equal(tensor, torch.from_numpy(expected))  # bit for bit
@@ -35,7 +63,7 @@ def test_explicit_settings_override_the_preset_and_parse_as_flags_do(monkeypatch
     assert (settings.resize_size, settings.input_size, settings.interpolation) == (232, 224, "bicubic")
     assert settings.mean == (0.485, 0.456, 0.406) and settings.std == (0.5, 0.5, 0.5)
     data = photo(300, 240)
-    prepared = decode_image(data, 10**8, Preprocess.from_settings(settings))
+    prepared = prepare(data, Preprocess.from_settings(settings))
     by_hand = torchvision_by_hand(data, 232, 224, Image.Resampling.BICUBIC) * IMAGENET_STD[:, None, None]
     torch.testing.assert_close(to_tensor(prepared.pixels), torch.from_numpy(by_hand + IMAGENET_MEAN[:, None, None]))
     for bad in ({"mean": "1,2"}, {"std": "1,0,1"}, {"resize_size": 100, "input_size": 224}):
@@ -44,7 +72,7 @@ def test_explicit_settings_override_the_preset_and_parse_as_flags_do(monkeypatch
 
 
 def test_geometry_maps_model_input_points_back_to_the_upload() -> None:
-    prepared = decode_image(photo(500, 375), 10**8, Preprocess(resize_size=256, input_size=224))
+    prepared = prepare(photo(500, 375), Preprocess(resize_size=256, input_size=224))
     assert prepared.geometry == Geometry(original=(500, 375), resized=(341, 256), crop=(58, 16, 224, 224))
     assert prepared.geometry.to_original(0, 0) == pytest.approx((58 * 500 / 341, 16 * 375 / 256))
     squashed = Preprocess(input_size=100)(Image.new("RGB", (400, 50)))

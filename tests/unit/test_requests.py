@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 
+from imgserve.handoff import wire
+from imgserve.handoff.items import InSlot
 from imgserve.handoff.requests import RequestSocket
 
 SPAWN = mp.get_context("spawn")  # as LitServe starts its inference workers
@@ -21,7 +23,13 @@ SPAWN = mp.get_context("spawn")  # as LitServe starts its inference workers
 
 def request(uid: str, slot: int = 0) -> tuple:
     """A request message as a worker receives it (a front end may send tuples inside; msgpack makes them lists)."""
-    return 0, uid, 1.0, {"slot": [slot, 1], "shape": [8, 8, 3], "deadline": 2.0, "admitted": 1.0}
+    item = {"image": InSlot(0, (8, 8, 3), "|u1"), "threshold": 0.5}
+    return 0, uid, 1.0, {"slot": [slot, 1], "deadline": 2.0, "admitted": 1.0, "item": item}
+
+
+def packed(uid: str, slot: int = 0) -> bytes:
+    """The same request as a front end sends it."""
+    return wire.pack_request(request(uid, slot))
 
 
 def receive_all(requests: Any, results: Any, idle_s: float, started: Any = None) -> None:
@@ -58,7 +66,7 @@ def test_every_request_reaches_exactly_one_worker(tmp_path: Path) -> None:
     started.wait(60)
     sent = [request(f"uid-{i}", i) for i in range(400)]
     for message in sent:
-        requests.put(message)
+        requests.put(wire.pack_request(message))
     taken = collect(results, len(workers))
     for worker in workers:
         worker.join(timeout=30)
@@ -80,7 +88,7 @@ def test_a_worker_killed_while_waiting_does_not_stop_the_others(tmp_path: Path) 
     survivor = SPAWN.Process(target=receive_all, args=(requests, results, 2.0))
     survivor.start()
     for i in range(50):
-        requests.put(request(f"message-{i}"))
+        requests.put(packed(f"message-{i}"))
     (taken,) = collect(results, 1).values()
     survivor.join(timeout=30)
     assert taken == [request(f"message-{i}") for i in range(50)]
@@ -111,7 +119,7 @@ def test_get_waits_at_most_its_timeout(tmp_path: Path) -> None:
         requests.get_nowait()
     with pytest.raises(Empty):
         requests.get(timeout=0.2)
-    requests.put(request("one"))
+    requests.put(packed("one"))
     assert requests.get(timeout=5) == request("one")
 
 
@@ -120,11 +128,25 @@ def test_an_event_loop_send_never_blocks_it_says_when_the_queue_is_full(tmp_path
     nothing, once no worker has read for long enough; a blocking put then waits for room."""
     requests = RequestSocket(tmp_path)
     sent = 0
-    while sent < 100_000 and requests.put_nowait(request(f"uid-{sent}", sent)):
+    while sent < 100_000 and requests.put_nowait(packed(f"uid-{sent}", sent)):
         sent += 1
     assert 0 < sent < 100_000  # the kernel's queue filled up
-    assert not requests.put_nowait(request("one too many"))
+    assert not requests.put_nowait(packed("one too many"))
     assert requests.get(timeout=1)[1] == "uid-0"  # in order, and the refused one was not queued
-    assert requests.put_nowait(request("room again"))
+    assert requests.put_nowait(packed("room again"))
     received = [requests.get(timeout=1)[1] for _ in range(sent)]
     assert received[-1] == "room again" and "one too many" not in received
+
+
+def test_a_datagram_that_is_not_a_request_is_dropped_and_the_next_request_taken(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever lands on the socket (garbage, a request cut short by the receive size), `get` logs and drops it and
+    returns the next real request."""
+    requests = RequestSocket(tmp_path)
+    huge = wire.pack_request((0, "huge", 1.0, {**request("huge")[3], "item": "x" * 20_000}))
+    for data in (b"\x93garbage", huge, packed("real")):
+        requests.put(data)
+    with caplog.at_level("WARNING", logger="imgserve.handoff.requests"):
+        assert requests.get(timeout=5) == request("real")
+    assert caplog.text.count("dropped a datagram") == 2

@@ -13,11 +13,14 @@ from litserve.utils import LitAPIStatus, LoopResponseType
 
 from imgserve.errors import ApiError
 from imgserve.handoff import wire
-from imgserve.handoff.slots import InSlot
+from imgserve.handoff.items import BytesInSlot, InSlot
 
-REQUEST = (1, "3f2a-uid", 12.5, {"slot": [3, 17], "shape": [512, 512, 3], "deadline": 42.0, "admitted": 11.0})
+ITEM = {"image": InSlot(0, (512, 512, 3), "|u1"), "threshold": 0.5, "box": [1, 2, 3, 4], "name": "cat"}
+REQUEST = (1, "3f2a-uid", 12.5, {"slot": [3, 17], "deadline": 42.0, "admitted": 11.0, "item": ITEM})
+PLAIN = {**REQUEST[3], "item": {"threshold": 0.5}}  # a payload plain msgpack can pack, to break by hand
 OUTPUTS = [
-    InSlot((512, 512, 3), "|u1"),
+    InSlot(0, (512, 512, 3), "|u1"),
+    {"mask": InSlot(786432, (512, 512), "|u1"), "png": BytesInSlot(1048576, 40000), "scores": [0.1, 0.9]},
     ApiError(503, "overloaded", "the queue is full", 1),
     np.arange(12, dtype=np.float32).reshape(3, 4),
     [0.25, 0.75],
@@ -54,12 +57,14 @@ def test_a_value_the_wire_does_not_carry_is_refused_when_sent() -> None:
     "data",
     [
         pickle.dumps(REQUEST),
+        msgpack.packb([1, "uid", 1.0, {**PLAIN, "item": {1: 2}}]),  # keys are strings
         msgpack.packb([1, "uid", 1.0]),
-        msgpack.packb([1, "uid", float("nan"), REQUEST[3]]),
-        msgpack.packb([True, "uid", 1.0, REQUEST[3]]),
-        msgpack.packb([1, "uid", 1.0, {**REQUEST[3], "shape": [-1, 3]}]),
-        msgpack.packb([1, "uid", 1.0, {**REQUEST[3], "shape": [1] * 9}]),
-        msgpack.packb([1, "uid", 1.0, {**REQUEST[3], "slot": [1]}]),
+        msgpack.packb([1, "uid", float("nan"), PLAIN]),
+        msgpack.packb([True, "uid", 1.0, PLAIN]),
+        msgpack.packb([1, "uid", 1.0, {key: value for key, value in PLAIN.items() if key != "item"}]),
+        msgpack.packb([1, "uid", 1.0, {**PLAIN, "slot": [1]}]),
+        msgpack.packb([1, "uid", 1.0, {**PLAIN, "slot": [-1, 2]}]),
+        msgpack.packb([1, "uid", 1.0, {**PLAIN, "deadline": "soon"}]),
         b"",
     ],
 )
@@ -74,7 +79,9 @@ def test_what_is_not_a_request_is_a_wire_error(data: bytes) -> None:
         (wire.ARRAY, ["|O", [1], b"\x00" * 8]),  # object arrays hold Python objects
         (wire.ARRAY, ["<f4", [3], b"\x00" * 8]),  # the size does not match the shape
         (wire.ERROR, [200, "ok", "not an error", None]),
-        (wire.IN_SLOT, [[2, 2], "<U4"]),
+        (wire.IN_SLOT, [0, [2, 2], "<U4"]),
+        (wire.IN_SLOT, [[2, 2], "|u1"]),  # no offset
+        (wire.BYTES_IN_SLOT, [0, -1]),
         (99, [1]),
     ],
 )
@@ -88,7 +95,7 @@ def test_seeded_mutations_of_real_messages_are_answers_or_wire_errors() -> None:
     """5000 mutations (flipped, cut, inserted, duplicated bytes): each parses to plain data or is a WireError."""
     rng = random.Random(29)
     seeds = [wire.pack_request(REQUEST)] + [wire.pack_answer(answer(output)) for output in OUTPUTS]
-    plain = (type(None), bool, int, float, str, bytes, list, dict, tuple, np.ndarray, InSlot, ApiError)
+    plain = (type(None), bool, int, float, str, bytes, list, dict, tuple, np.ndarray, InSlot, BytesInSlot, ApiError)
     for _ in range(5000):
         data = bytearray(rng.choice(seeds))
         for _ in range(rng.randrange(1, 4)):
