@@ -237,7 +237,7 @@ def check_auto_batch_and_flood(context: Context) -> list[Row]:
     settings = {"max_batch_size": "auto", "gpu_memory_fraction": str(FLOOD_FRACTION)}
     with imgserve(context, "auto-batch", **settings) as server:
         described = info(server)
-        batch, budget = described["max_batch_size"], described["batch_pixel_budget"]
+        batch, budget = described["max_batch_size"], described["batch_element_budget"]
         chose = isinstance(batch, int) and 1 <= batch <= 256 and budget > 0
         rows = [Row.of(AUTO, f"batch {batch}, pixel budget {budget} px", chose)]
         idle = metric_samples(server)

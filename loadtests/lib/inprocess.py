@@ -36,15 +36,11 @@ def measure_limit(
 
     channels_last=False runs the model in PyTorch's default NCHW memory, as the baseline and plain LitServe do.
     """
-    device = pipeline.best_device()
-    batcher = pipeline.batcher(pipeline.load_denoiser(device), device, channels_last)
+    running = pipeline.built_in(pipeline.best_device(), channels_last)
     images = sample_images()
 
     def one_batch(first: int, size: int) -> None:
-        batch = [images[(first + i) % len(images)] for i in range(size)]
-        outputs = batcher([pipeline.decode_pixels(image.data) for image in batch])
-        for output in outputs:
-            pipeline.encode(output)
+        running.run([pipeline.upload(images[(first + i) % len(images)].data) for i in range(size)])
 
     by_batch = {}
     for size in batch_sizes:

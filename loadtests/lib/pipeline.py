@@ -1,7 +1,8 @@
 """The per-image work every contender does, from the same code: imgserve's codec and the built-in model.
 
-The in-process limit, the FastAPI baseline and the plain LitServe API all load the model and
-decode/encode through here, so the benchmark compares serving designs, not codecs or models.
+The in-process limit runs the built-in API's own hooks in this process (`built_in`: decode with its preprocessing,
+batch, predict, encode), and the FastAPI baseline and the plain LitServe API decode and encode through the same
+codec and call the same model, so the benchmark compares serving designs, not codecs or models.
 """
 
 from __future__ import annotations
@@ -9,10 +10,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from imgserve import codec
+from imgserve.api import Request
 from imgserve.config import BUILTIN_MODEL, Settings
-from imgserve.frontend import codec
+from imgserve.models.builtin import LocalKinds, ModelAPI
 from imgserve.models.loader import load_model
-from imgserve.worker.batching import BatchRunner, InMemory
+from imgserve.testing import InProcess
 
 DEFAULTS = Settings()
 
@@ -29,13 +32,8 @@ def load_denoiser(device: str) -> torch.nn.Module:
 
 def decode(data: bytes) -> torch.Tensor:
     """Upload bytes -> 3xHxW float tensor in [0, 1] (the usual hand-written endpoint), with imgserve's decoder."""
-    pixels = codec.decode_image(data, DEFAULTS.max_image_pixels).pixels
-    return torch.from_numpy(pixels).permute(2, 0, 1).float().div_(255.0)
-
-
-def decode_pixels(data: bytes) -> InMemory:
-    """Upload bytes -> HxWx3 uint8 pixels ready for imgserve's batcher."""
-    return InMemory(codec.decode_image(data, DEFAULTS.max_image_pixels).pixels)
+    pixels = codec.decode_image(data, DEFAULTS.max_image_pixels)
+    return torch.from_numpy(pixels.copy()).permute(2, 0, 1).float().div_(255.0)
 
 
 def forward(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -51,7 +49,15 @@ def encode(output: torch.Tensor | np.ndarray) -> bytes:
     return codec.encode_image(output, "jpeg", DEFAULTS.jpeg_quality)
 
 
-def batcher(model: torch.nn.Module, device: str, channels_last: bool) -> BatchRunner:
-    """imgserve's own batcher with its default settings for `device` and the given memory layout, run in-process."""
+def built_in(device: str, channels_last: bool) -> InProcess:
+    """imgserve's built-in API with its default settings for `device` and the given memory layout, set up here."""
     settings = DEFAULTS.model_copy(update={"channels_last": channels_last})
-    return BatchRunner.for_settings(model, torch.device(device), settings, pad=device == "cuda")
+    api = ModelAPI(settings, LocalKinds(), pad=device == "cuda")
+    model = load_denoiser(device)
+    api.model_loader = lambda _: model
+    return InProcess(api, device).setup()
+
+
+def upload(data: bytes) -> Request:
+    """An upload as /predict reads it: the raw JPEG body."""
+    return Request(body=data, content_type="image/jpeg", max_image_pixels=DEFAULTS.max_image_pixels)

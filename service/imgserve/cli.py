@@ -7,8 +7,9 @@ import os
 import stat
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
+from litserve import LitAPI
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
@@ -63,9 +64,16 @@ def _use_metrics_directory(own: Path) -> str | None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    overrides = {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
+    return serve(**{k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None})
+
+
+def serve(api: LitAPI | None = None, **settings: Any) -> int:
+    """Run the server until SIGTERM or Ctrl-C, as `imgserve serve` does: on `api` (an ImageAPI or a plain LitAPI
+    instance; None: --api's, else the built-in API over --model), with `settings` as keyword arguments over the
+    IMGSERVE_<NAME> variables and the defaults (docs/settings.md). Returns the exit code: 0 after a clean drain, 2
+    for anything the user got wrong (printed in one line)."""
     try:
-        settings = Settings(**overrides)
+        resolved = Settings(**settings)
     except (ValidationError, SettingsError) as error:
         print(f"imgserve: {settings_problem(error)}", file=sys.stderr)
         return 2
@@ -79,9 +87,9 @@ def _serve(args: argparse.Namespace) -> int:
         if problem:
             print(f"imgserve: {problem}", file=sys.stderr)
             return 2
-        from imgserve.server import serve
+        from imgserve import server
 
-        return serve(settings, directory)
+        return server.serve(resolved, directory, api)
     finally:
         directory.remove()
 

@@ -59,12 +59,18 @@ class Settings(BaseSettings):
     )
 
     # What it serves.
+    api: str | None = Field(
+        None,
+        description="module:Class of your own imgserve.ImageAPI, or of a plain litserve.LitAPI, to serve instead "
+        "of --model (the module is found in the current directory first); docs/custom-api.md.",
+    )
     model: str = Field(BUILTIN_MODEL, description="builtin:denoiser, or a path to .pt/.pt2/.safetensors/.pth.")
     model_name: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
         description="The model's name in the Open Inference Protocol (/v2/models/<name>, gRPC); "
-        "default: denoiser for the built-in model, else the model file's name without its extension.",
+        "default: denoiser for the built-in model, else the model file's name without its extension, or an --api's "
+        "`name` (its class name when it sets none).",
     )
     model_factory: str | None = Field(
         None, description="module:function that builds the nn.Module for a state-dict/safetensors file."

@@ -28,13 +28,9 @@ from typing import Any
 
 import litserve as ls
 import uvicorn
-from litserve.loops.base import _SENTINEL_VALUE, _StopLoopError
 from litserve.server import _Server
 from litserve.transport.base import MessageTransport
 from litserve.utils import WorkerSetupStatus
-
-STOP_SENTINEL = _SENTINEL_VALUE  # what the main process puts on the request queue to stop each worker's loop
-StopLoop = _StopLoopError  # what a worker's loop raises to end
 
 
 @dataclass(frozen=True)
@@ -70,8 +66,6 @@ PINNED = (
     Pinned("litserve.server", "LitServer._shutdown_event", assigned_in="_init_manager"),
     Pinned("litserve.server", "LitServer._monitor_workers", assigned_in="__init__"),
     Pinned("litserve.server", "_Server.run", ("self", "worker_id", "sockets")),
-    Pinned("litserve.loops.base", "_SENTINEL_VALUE"),
-    Pinned("litserve.loops.base", "_StopLoopError"),
     Pinned("multiprocessing.managers", "BaseManager._process", assigned_in="start"),
 )
 

@@ -3,6 +3,8 @@ Open Inference Protocol's routes (/v2...) that protocol's own body {"error": "me
 
 from __future__ import annotations
 
+from http import HTTPStatus
+
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -10,7 +12,8 @@ from starlette.responses import JSONResponse
 
 
 class ApiError(Exception):
-    """A request-level failure; picklable so inference workers can return it for a single item of a batch."""
+    """A request-level failure: raise it in a hook to answer that request with `status` and a JSON error
+    {"error": {"code": code, "message": message}} (and Retry-After when `retry_after` is set)."""
 
     def __init__(self, status: int, code: str, message: str, retry_after: int | None = None) -> None:
         super().__init__(status, code, message, retry_after)
@@ -22,6 +25,22 @@ class ApiError(Exception):
         v2 = path == "/v2" or path.startswith("/v2/")
         body = {"error": self.message} if v2 else {"error": {"code": self.code, "message": self.message}}
         return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+def from_exception(exc: BaseException) -> ApiError | None:
+    """The ApiError a hook's exception answers with: itself, or Starlette's / FastAPI's / LitServe's HTTPException
+    as its status and detail; None for any other exception (a fault: 500)."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, StarletteHTTPException):
+        code = HTTPStatus(exc.status_code).phrase.lower().replace(" ", "_").replace("-", "_")
+        return ApiError(exc.status_code, code, str(exc.detail))
+    return None
+
+
+def fault(exc: BaseException, where: str) -> ApiError:
+    """The 500 for an unexpected exception in `where` (a hook): one line naming it, never the traceback."""
+    return ApiError(500, "api_error", f"{where} failed: {type(exc).__name__}: {exc}"[:300])
 
 
 async def http_error(request: Request, exc: Exception) -> JSONResponse:

@@ -33,6 +33,12 @@ QUEUE_WAIT = Histogram(
     buckets=LATENCY_BUCKETS,
 )
 BATCH_SIZE = Histogram("imgserve_batch_size", "Images per model batch", buckets=BATCH_BUCKETS)
+DECODE_DURATION = Histogram(
+    "imgserve_decode_duration_seconds", "Time of one item's decode_request (front end)", buckets=LATENCY_BUCKETS
+)
+ENCODE_DURATION = Histogram(
+    "imgserve_encode_duration_seconds", "Time of one item's encode_response (front end)", buckets=LATENCY_BUCKETS
+)
 INFERENCE_DURATION = Histogram(
     "imgserve_inference_duration_seconds", "Time of one batch on the model", buckets=LATENCY_BUCKETS
 )

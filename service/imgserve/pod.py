@@ -35,11 +35,11 @@ class TorchThreads(NamedTuple):
 
 @dataclass(frozen=True)
 class GpuProbe:
-    """One batch of `batch` `side`x`side` images timed on the first GPU: seconds of a worker's own CPU work
-    (filling the batch, taking the results apart) and of the model on the device."""
+    """One batch of `batch` of the API's example items (`items` says what they are) timed on the first GPU: seconds
+    of a worker's own CPU work (filling the batch, taking the results apart) and of `predict` on the device."""
 
     batch: int
-    side: int
+    items: str
     cpu_s: float
     device_s: float
 
@@ -148,7 +148,7 @@ def _workers_per_device(settings: Settings, machine: Machine) -> tuple[int, str]
         return 1, "no probe batch was timed on the GPU"
     workers = gpu_workers_for(probe.cpu_s, probe.device_s, machine.cpus)
     return workers, (
-        f"a batch of {probe.batch} {probe.side}x{probe.side} images took {1000 * probe.cpu_s:.1f} ms of a worker's "
+        f"a batch of {probe.batch} {probe.items} took {1000 * probe.cpu_s:.1f} ms of a worker's "
         f"CPU and {1000 * probe.device_s:.1f} ms on the GPU: {workers} worker(s) keep it "
         f"{GPU_BUSY_GOAL:.0%} busy"
     )

@@ -9,16 +9,15 @@ import contextlib
 import logging
 import os
 import socket
-import sys
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
-import numpy as np
+import litserve as ls
 import torch
 from starlette.routing import Route
 
-from imgserve import __version__, heap, metrics
+from imgserve import heap, metrics
+from imgserve.api import ImageAPI
 from imgserve.config import Settings
 from imgserve.engine import EngineServer
 from imgserve.errors import install_handlers
@@ -27,6 +26,7 @@ from imgserve.frontend.admission import Admission, AdmissionMiddleware
 from imgserve.frontend.auth import ApiKeyMiddleware, KeyProblem, Keys
 from imgserve.frontend.connections import GuardedHttpToolsProtocol
 from imgserve.frontend.inference import CodecThreads, Inference
+from imgserve.frontend.litserve_route import LitServeRoute
 from imgserve.frontend.routes import Routes
 from imgserve.frontend.v2 import grpc_service
 from imgserve.frontend.v2.http import V2Routes
@@ -36,94 +36,52 @@ from imgserve.handoff.directory import ServerDirectory
 from imgserve.handoff.dispatch import Dispatcher
 from imgserve.handoff.requests import RequestSocket
 from imgserve.handoff.state import SharedState
-from imgserve.models import outputs, shared
-from imgserve.models.loader import ModelLoadError, check_model_source, load_model
+from imgserve.models import outputs
+from imgserve.models.builtin import LocalKinds, ModelAPI
+from imgserve.models.loader import ModelLoadError, check_model_source
 from imgserve.models.shared import SharedWeights
-from imgserve.pod import GpuProbe, PodPlan, available_ram, plan_pod, read_machine
+from imgserve.pod import PodPlan, available_ram, plan_pod, read_machine
+from imgserve.startup import load_api, load_weights, probe_gpu, resolve_device
 from imgserve.supervisor.children import Supervisor
 from imgserve.supervisor.lifecycle import install_drain_on_signals
-from imgserve.worker.api import ImageAPI, WorkerPlan
-from imgserve.worker.batching import BatchRunner, InMemory
+from imgserve.version import __version__
+from imgserve.worker.api import WorkerAPI, WorkerPlan
 
 log = logging.getLogger(__name__)
-PROBE_BATCH = 8  # the batch timed for workers_per_device auto on a GPU when max_batch_size is auto too
-
-
-def resolve_device(device: str) -> str:
-    """auto -> cuda when torch sees a GPU, else cpu."""
-    if device == "cuda" and not torch.cuda.is_available():
-        print("imgserve: --device cuda was asked for but torch sees no GPU", file=sys.stderr)
-        raise SystemExit(2)
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
-def load_weights(settings: Settings, device_type: str, devices: int, directory: Path) -> SharedWeights:
-    """Load the model once, here in the main process, and share its weights with the workers of each device."""
-    try:
-        model = load_model(settings.model, settings.model_factory, settings.trust_pickle)
-    except ModelLoadError:
-        raise
-    except Exception as exc:  # the user's factory or file: one line, as a worker's failure would say it
-        raise ModelLoadError(f"cannot load the model: {type(exc).__name__}: {exc}") from None
-    names = [f"cuda:{index}" for index in range(devices)] if device_type == "cuda" else ["cpu"]
-    return shared.prepare(model, device_type, names, directory, settings.share_weights, settings.channels_last)
-
-
-def probe_gpu(settings: Settings, weights: SharedWeights) -> GpuProbe:
-    """One batch timed on cuda:0 (for workers_per_device auto): a worker's own CPU seconds and the device's."""
-    device = torch.device("cuda:0")
-    shared_tensors = weights.owner.get(str(device))  # the main process's copy: adopted, not copied
-    model = load_model(settings.model, settings.model_factory, settings.trust_pickle, shared_tensors).to(device)
-    runner = BatchRunner.for_settings(model, device, settings, pad=settings.pad_mixed_sizes is not False)
-    batch = settings.max_batch_size if isinstance(settings.max_batch_size, int) else PROBE_BATCH
-    side = runner.probe_side
-    images = [InMemory(np.zeros((side, side, 3), dtype=np.uint8)) for _ in range(batch)]
-    try:
-        runner.measure(settings.gpu_memory_fraction)  # warm-up (and the channels_last fallback)
-        batch, cpu_s, device_s = runner.split_seconds(images)  # halved until it fits
-    except torch.OutOfMemoryError:
-        raise ModelLoadError(f"the model runs out of GPU memory on one {side}x{side} image") from None
-    del runner, model
-    torch.cuda.empty_cache()
-    return GpuProbe(batch, side, cpu_s, device_s)
-
-
-def plan_for(settings: Settings, weights: SharedWeights, device_type: str, devices: int) -> PodPlan:
-    """Read this machine (timing a probe batch when the GPU's worker count is `auto`) and plan the pod on it."""
-    cuda = device_type == "cuda"
-    probe = probe_gpu(settings, weights) if cuda and settings.workers_per_device == "auto" else None
-    free = torch.cuda.mem_get_info(0)[0] if cuda else available_ram()
-    return plan_pod(settings, read_machine(device_type, devices, free, probe))
 
 
 class ImageServer(EngineServer):
-    """The server the plan describes: imgserve's routes, admission and keys in front, the hand-off sockets, the
-    supervisor, and the inference workers LitServe starts."""
+    """The server the plan describes: the API behind imgserve's routes, admission and keys, the hand-off sockets,
+    the supervisor, and the inference workers LitServe starts."""
 
     def __init__(
-        self, settings: Settings, directory: ServerDirectory, keys: Keys, weights: SharedWeights, plan: PodPlan
+        self,
+        settings: Settings,
+        directory: ServerDirectory,
+        keys: Keys,
+        api: ls.LitAPI,
+        weights: SharedWeights,
+        plan: PodPlan,
+        state: SharedState,
     ) -> None:
-        self.settings, self.directory, self.keys, self.weights, self.plan = settings, directory, keys, weights, plan
+        self.settings, self.directory, self.keys, self.api = settings, directory, keys, api
+        self.weights, self.plan, self.state = weights, plan, state
         self.front_end_host = settings.host
-        self.state = SharedState(
-            plan.workers, request_slots=plan.slots_per_front_end * plan.front_ends, front_ends=plan.front_ends
-        )
-        self.dispatcher = Dispatcher(self.state, directory.slots, plan.slots_per_front_end, settings.retry_after_s)
+        self.dispatcher = Dispatcher(state, directory.slots, plan.slots_per_front_end, settings.retry_after_s)
         worker_plan = WorkerPlan(
             directory.slots,
             weights,
             plan.batch_size,
+            settings.batch_timeout_ms / 1000,
+            settings.max_batch_size == "auto",
             plan.torch_threads,
             plan.workers_per_device,
             plan.reserved_slot_bytes,
-            plan.pad_mixed_sizes,
         )
         self.supervisor = Supervisor(self)  # started with the front ends
-        self.admission = Admission(self.state, settings, lambda: self.queue_limit)
+        self.admission = Admission(state, settings, lambda: self.queue_limit)
         super().__init__(
-            ImageAPI(settings, self.state, worker_plan),
+            WorkerAPI(api, settings, state, worker_plan),
             accelerator=plan.device_type,
             devices=len(plan.devices),
             workers_per_device=plan.workers_per_device,
@@ -137,23 +95,14 @@ class ImageServer(EngineServer):
         )
         install_handlers(self.app)
         copies = 1 if weights.shared else plan.workers_per_device
-        self.pod_collector = telemetry.PodCollector(
-            self.state,
-            directory.slots,
-            telemetry.ModelFacts(
-                settings.model, settings.precision, plan.devices, copies * weights.nbytes, __version__
-            ),
+        facts = telemetry.ModelFacts(
+            describe_api(settings, api), settings.precision, plan.devices, copies * weights.nbytes, __version__
         )
+        self.pod_collector = telemetry.PodCollector(state, directory.slots, facts)
         metrics.preregister()
 
     def add_routes(self) -> None:
-        self.inference = Inference(
-            self.settings,
-            self.state,
-            self.dispatcher,
-            self.admission,
-            CodecThreads(self.plan.codec_threads_per_front_end),
-        )
+        self.inference = Inference(self.dispatcher, self.admission, CodecThreads(self.plan.codec_threads_per_front_end))
         routes = Routes(
             self.settings,
             self.state,
@@ -162,11 +111,18 @@ class ImageServer(EngineServer):
             self.describe,
             self.setup_status,
         )
-        for path in telemetry.PREDICT_PATHS:
-            self.app.router.routes.append(Route(path, routes.predict, methods=["POST"]))
-        model = ServedModel(self.settings, self.state, self.inference, routes.renderer, routes.not_ready_reason)
-        self.app.router.routes.extend(V2Routes(model, self.settings.max_body_bytes).routes())
-        self.grpc_servicer = grpc_service.Servicer(model, self.settings, self.keys)
+        api = self.api
+        if isinstance(api, ImageAPI):
+            predict = routes.predict_with(api)
+            for path in telemetry.PREDICT_PATHS:
+                self.app.router.routes.append(Route(path, predict, methods=["POST"]))
+            name = self.settings.model_name or api.name or type(api).__name__
+            model = ServedModel(api, name, self.settings, self.state, self.inference, routes.not_ready_reason)
+            self.app.router.routes.extend(V2Routes(model, self.settings.max_body_bytes).routes())
+            self.grpc_servicer: grpc_service.Servicer | None = grpc_service.Servicer(model, self.settings, self.keys)
+        else:
+            LitServeRoute(api, self.inference, self.settings).register(self.app)
+            self.grpc_servicer = None
         for path, endpoint in (
             ("/health/live", routes.live),
             ("/health/ready", routes.ready),
@@ -195,7 +151,7 @@ class ImageServer(EngineServer):
         front_end = app.response_queue_id
         self.state.serve_as(front_end)
         self.dispatcher.start(front_end, self.request_queue, self.answer_transport.receiver(front_end))
-        if front_end != 0 or not self.settings.grpc_port:
+        if front_end != 0 or not self.settings.grpc_port or self.grpc_servicer is None:
             yield
             return
         grpc_server = await grpc_service.start(self.grpc_servicer, self.settings)
@@ -219,7 +175,7 @@ class ImageServer(EngineServer):
         """What GET /info answers."""
         limits, plan = self.state.limits, self.plan
         return {
-            "model": self.settings.model,
+            "model": describe_api(self.settings, self.api),
             "device": plan.devices[0],
             "devices": plan.devices,
             "precision": self.settings.precision,
@@ -232,7 +188,7 @@ class ImageServer(EngineServer):
             "weights": self.weights.describe(),
             "max_batch_size": limits["max_batch_size"] or self.settings.max_batch_size,
             "batch_memory_budget_bytes_per_worker": limits["budget_bytes"],
-            "batch_pixel_budget": limits["pixel_budget"],
+            "batch_element_budget": limits["element_budget"],
             "batch_timeout_ms": self.settings.batch_timeout_ms,
             "max_queue_depth": self.queue_limit,
             "request_timeout_s": self.settings.request_timeout_s,
@@ -257,19 +213,19 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def serve(settings: Settings, directory: ServerDirectory) -> int:
-    """Run until SIGTERM/SIGINT in the server's private `directory` (its caller removes it); the exit code is 0 after
-    a clean drain, 1 if workers kept dying."""
+def serve(settings: Settings, directory: ServerDirectory, api: ls.LitAPI | None = None) -> int:
+    """Serve `api` (else --api's, else the built-in API over --model) until SIGTERM/SIGINT, in the server's private
+    `directory` (its caller removes it). The exit code is 0 after a clean drain, 1 if workers kept dying, 2 when
+    what the user named cannot be served (one line says why)."""
     settings.configure_logging()
     try:
-        check_model_source(settings.model, settings.model_factory)
-        outputs.read_labels(settings.labels)
-    except ModelLoadError as exc:
-        log.error("imgserve: %s", exc)
-        return 2
-    try:
+        if api is None and settings.api:
+            api = load_api(settings.api)
+        if api is None:
+            check_model_source(settings.model, settings.model_factory)
+            outputs.read_labels(settings.labels)
         keys = Keys.load(settings, directory.root / "api-keys")  # a key source that yields no key: no server
-    except KeyProblem as exc:
+    except (ModelLoadError, KeyProblem) as exc:
         log.error("imgserve: %s", exc)
         return 2
     if settings.grpc_port and not port_free(settings.host, settings.grpc_port):
@@ -278,23 +234,59 @@ def serve(settings: Settings, directory: ServerDirectory) -> int:
         )
         return 2
     try:
-        return run_server(build_server(settings, directory, keys))
+        return run_server(build_server(settings, directory, keys, api))
     except ModelLoadError as exc:
         log.error("imgserve: %s", exc)
         return 2
 
 
-def build_server(settings: Settings, directory: ServerDirectory, keys: Keys) -> ImageServer:
-    """Load the weights once, plan the pod on this machine and build it."""
+def build_server(settings: Settings, directory: ServerDirectory, keys: Keys, api: ls.LitAPI | None) -> ImageServer:
+    """Load the weights once, plan the pod on this machine and build it around `api` (None: the built-in API)."""
+    settings = with_batching(settings, api)
     device_type = resolve_device(settings.device)
     devices = torch.cuda.device_count() if device_type == "cuda" else 1
-    weights = load_weights(settings, device_type, devices, directory.weights)
-    plan = plan_for(settings, weights, device_type, devices)
+    model = settings.model if api is None else getattr(api, "model", None)
+    weights = load_weights(model, settings, device_type, devices, directory.weights)
+    cuda = device_type == "cuda"
+    probe = None
+    if cuda and settings.workers_per_device == "auto" and (api is None or isinstance(api, ImageAPI)):
+        probe = probe_gpu(api or ModelAPI(settings, LocalKinds(), pad=True), settings, weights)
+    free = torch.cuda.mem_get_info(0)[0] if cuda else available_ram()
+    plan = plan_pod(settings, read_machine(device_type, devices, free, probe))
     for warning in plan.warnings:
         log.warning("%s", warning)
     if plan.passive_openmp:  # workers spawned from now on: OpenMP threads sleep when they wait instead of spinning
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    return ImageServer(settings, directory, keys, weights, plan)
+    state = SharedState(plan.workers, plan.slots_per_front_end * plan.front_ends, plan.front_ends)
+    served = api or ModelAPI(settings, state, pad=plan.pad_mixed_sizes)
+    return ImageServer(settings, directory, keys, served, weights, plan, state)
+
+
+def with_batching(settings: Settings, api: ls.LitAPI | None) -> Settings:
+    """The settings with the batch size and timeout the workers use: a flag or IMGSERVE_ variable set explicitly wins,
+    then what the API asked for, then the settings' defaults. A plain LitAPI keeps its own, as LitServe runs it."""
+    explicit = settings.model_fields_set
+    if api is None:
+        return settings
+    if isinstance(api, ImageAPI):
+        size, timeout_s = api.batching
+    else:
+        size, timeout_s = api.max_batch_size, api.batch_timeout
+    update: dict[str, Any] = {}
+    if "max_batch_size" not in explicit and size is not None:
+        update["max_batch_size"] = size
+    if "batch_timeout_ms" not in explicit and timeout_s is not None:
+        update["batch_timeout_ms"] = 1000 * timeout_s
+    if not isinstance(api, ImageAPI) and update.get("max_batch_size", settings.max_batch_size) == "auto":
+        update["max_batch_size"] = api.max_batch_size  # nothing to measure a plain LitAPI's memory on
+    return settings.model_copy(update=update)
+
+
+def describe_api(settings: Settings, api: ls.LitAPI) -> str:
+    """What /info and imgserve_model_info call the served model: the model file, or the API's class."""
+    if isinstance(api, ModelAPI):
+        return settings.model
+    return f"{type(api).__module__}.{type(api).__qualname__}"
 
 
 def run_server(server: ImageServer) -> int:

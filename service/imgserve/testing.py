@@ -1,5 +1,6 @@
-"""A real imgserve for tests and benchmarks: `imgserve serve` (or any server command) started in its own process on
-127.0.0.1, waited for until ready, and always stopped with its whole process tree.
+"""imgserve for tests and benchmarks: `running`, a real `imgserve serve` (or any server command) started in its own
+process on 127.0.0.1, waited for until ready, and always stopped with its whole process tree; and `InProcess`, an
+ImageAPI's hooks run in the test's own process, as a worker batches them.
 
 Nothing is mocked: the server is the one users run, so a test of a user's own API exercises admission, the
 workers, deadlines and the drain as they will run in production::
@@ -25,9 +26,15 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
+import torch
+
+from imgserve.api import ImageAPI, Request, encoder
+from imgserve.worker.batching import BatchRunner
+from imgserve.worker.hooks import ImageHooks
 
 LOOPBACK = "127.0.0.1"
 READY_PATH = "/health/ready"
@@ -165,3 +172,29 @@ def running(log_dir: Path | None = None, ready_timeout_s: float = 180, **setting
         stack.callback(stop, server)
         wait_ready(server, ready_timeout_s)
         yield server
+
+
+class InProcess:
+    """An ImageAPI's hooks run in this process, in the order and the batches a worker runs them, without a server:
+    for unit tests of an API, and the benchmarks' in-process limit. `run` takes requests and returns their answers
+    (what `encode_response` returned); `predict` takes decoded items and returns one output (or ApiError) each."""
+
+    def __init__(self, api: ImageAPI, device: str = "cpu") -> None:
+        self.api, self.device = api, torch.device(device)
+        self.encode = encoder(api)
+        self.hooks = ImageHooks(api)
+        self.runner = BatchRunner(self.hooks, self.device)
+
+    def setup(self, measure: bool = False) -> InProcess:
+        """The API's `setup` on the device; with `measure`, the memory plan from its example request too."""
+        self.api.setup(str(self.device))
+        if measure:
+            self.runner.measure(self.api.decode_request(self.api.example_request()), memory_fraction=0.8)
+        return self
+
+    def predict(self, items: list[Any]) -> list[Any]:
+        return self.runner(items)
+
+    def run(self, requests: list[Request]) -> list[Any]:
+        items = [self.api.decode_request(request) for request in requests]
+        return [self.encode(output, request) for output, request in zip(self.predict(items), requests, strict=True)]

@@ -186,7 +186,7 @@ def test_health_info_and_metrics(server: Server) -> None:
     info = httpx.get(f"{server.url}/info").json()
     assert info["model"] == "builtin:denoiser"
     assert (info["device"], info["precision"], info["max_batch_size"]) == ("cpu", "fp32", 8)
-    assert info["batch_pixel_budget"] > 0
+    assert info["batch_element_budget"] > 0
     assert server.metric("imgserve_model_info", model="builtin:denoiser", device="cpu") == 1
 
 

@@ -59,6 +59,7 @@ def v2_body(images: int, **parameters: object) -> dict:
 def grpc_request(images: int) -> service_pb2.ModelInferRequest:
     request = service_pb2.ModelInferRequest(model_name=MODEL)
     request.inputs.add(name="image", datatype="BYTES", shape=[images, 1])
+    request.outputs.add(name="output_image")
     request.raw_input_contents.append(b"".join(len(p).to_bytes(4, "little") + p for p in [image_bytes(8, 8)] * images))
     return request
 

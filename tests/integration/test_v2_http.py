@@ -42,7 +42,7 @@ def test_health_metadata_and_config_agree(client: triton.InferenceServerClient) 
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(MODEL)
     server = client.get_server_metadata()
     assert server["name"] == "imgserve"
-    assert set(server["extensions"]) == {"binary_tensor_data", "model_configuration"}  # nothing unimplemented
+    assert set(server["extensions"]) == {"binary_tensor_data", "model_configuration", "classification"}
     metadata = client.get_model_metadata(MODEL)
     assert metadata["inputs"] == [
         {"name": "image", "datatype": "BYTES", "shape": [-1, 1]},
@@ -55,9 +55,14 @@ def test_health_metadata_and_config_agree(client: triton.InferenceServerClient) 
 
 
 def test_a_binary_batch_answers_each_image_at_its_size(client: triton.InferenceServerClient) -> None:
+    """Images of different sizes in one request: each encoded answer at its size; `output_pixels`, one tensor, cannot
+    hold them, so a request that leaves the outputs to the default (all of them) is told to name output_image."""
     sizes = [(64, 48), (33, 71), (120, 90)]
     images = [image_bytes(w, h, fmt, seed=w) for (w, h), fmt in zip(sizes, ["JPEG", "PNG", "WEBP"], strict=True)]
-    result = client.infer(MODEL, [images_input(*images)], request_compression_algorithm="gzip")
+    with pytest.raises(InferenceServerException, match="output_pixels.*share one shape"):
+        client.infer(MODEL, [images_input(*images)])
+    output = triton.InferRequestedOutput("output_image")
+    result = client.infer(MODEL, [images_input(*images)], outputs=[output], request_compression_algorithm="gzip")
     answers = result.as_numpy("output_image")
     assert answers.shape == (3, 1)
     assert [(decoded(a[0]).format, decoded(a[0]).size) for a in answers] == [("JPEG", size) for size in sizes]
@@ -93,13 +98,17 @@ def test_each_image_goes_to_the_batcher_on_its_own(server: Server, client: trito
     assert server.metric("imgserve_batch_size_sum") - before == 5
 
 
-def test_a_raw_binary_body_is_one_image(server: Server) -> None:
+def test_a_raw_binary_body_is_one_image_answered_in_binary(server: Server) -> None:
+    """extension_binary_data.md, "Raw Binary Request": the body is the model's one input, and the outputs come back
+    as binary tensor data after a JSON header of Inference-Header-Content-Length bytes."""
     png = image_bytes(20, 10)
     for body in (png, struct.pack("<I", len(png)) + png):  # as is, or as one serialized BYTES element
         response = httpx.post(f"{server.url}{INFER}", content=body, headers={"Inference-Header-Content-Length": "0"})
         assert response.status_code == 200, response.text
-        header = json.loads(response.content)
+        length = int(response.headers["Inference-Header-Content-Length"])
+        header = json.loads(response.content[:length])
         assert header["model_name"] == MODEL and header["outputs"][0]["shape"] == [1, 1]
+        assert all("binary_data_size" in output["parameters"] for output in header["outputs"])
 
 
 def test_unknown_keys_are_ignored_and_the_id_echoed(server: Server) -> None:

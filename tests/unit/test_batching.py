@@ -1,4 +1,5 @@
-"""Memory-bounded batching on the CPU: chunk planning, results equal to one-by-one runs, OOM split and isolation."""
+"""Memory-bounded batching on the CPU, through the built-in API's hooks as a worker runs them: chunk planning, results
+equal to one-by-one runs, padding, OOM split, a failing item alone, channels_last, the conversion threads."""
 
 from __future__ import annotations
 
@@ -6,22 +7,29 @@ import numpy as np
 import pytest
 import torch
 
+from imgserve.config import Settings
 from imgserve.errors import ApiError
+from imgserve.models.builtin import LocalKinds, ModelAPI
 from imgserve.models.denoiser import build_denoiser
 from imgserve.models.outputs import to_pixels
-from imgserve.worker.batching import BatchRunner, InMemory, MemoryPlan, plan_chunks
+from imgserve.testing import InProcess
+from imgserve.worker.batching import MemoryPlan, Shape, plan_chunks
 
 NHWC = torch.channels_last
 SIZES = [(32, 40), (32, 40), (24, 24), (64, 48), (24, 24), (40, 32)]
 
 
-def runner(pad: bool, model=None, on_oom=lambda: None) -> BatchRunner:
-    return BatchRunner(model or build_denoiser(), torch.device("cpu"), pad=pad, on_oom=on_oom)
+def built_in(pad: bool, model: torch.nn.Module | None = None, **settings: object) -> InProcess:
+    """The built-in API around `model` (the denoiser by default), set up in this process."""
+    api = ModelAPI(Settings(**settings), LocalKinds(), pad=pad)
+    module = model or build_denoiser()
+    api.model_loader = lambda device: module
+    return InProcess(api).setup()
 
 
-def images() -> list[InMemory]:
+def images() -> list[np.ndarray]:
     rng = np.random.default_rng(0)
-    return [InMemory(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in SIZES]
+    return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in SIZES]
 
 
 def close(a: np.ndarray, b: np.ndarray, atol: int = 1) -> None:
@@ -30,60 +38,78 @@ def close(a: np.ndarray, b: np.ndarray, atol: int = 1) -> None:
     assert np.abs(a.astype(int) - b.astype(int)).max(initial=0) <= atol
 
 
-def test_chunks_respect_pixel_budget_and_same_size_mode() -> None:
-    for chunk in plan_chunks(SIZES, pixel_budget=4000, max_waste=2.0):
+def test_chunks_hold_the_budget_and_group_same_shapes_or_pad_close_ones() -> None:
+    shapes = [Shape.of(image) for image in images()]
+    for chunk in plan_chunks(shapes, budget=12_000, group_by_shape=False):
         height = max(SIZES[i][0] for i in chunk)
         width = max(SIZES[i][1] for i in chunk)
-        assert len(chunk) == 1 or len(chunk) * height * width <= 4000
-    same = plan_chunks(SIZES, pixel_budget=10**9, max_waste=1.0)
+        assert len(chunk) == 1 or len(chunk) * height * width * 3 <= 12_000
+    same = plan_chunks(shapes, budget=10**9, group_by_shape=True)
     assert sorted(sorted(c) for c in same) == [[0, 1], [2, 4], [3], [5]]
-    assert sorted(i for chunk in plan_chunks(SIZES, 10**9, 2.0) for i in chunk) == list(range(len(SIZES)))
+    padded = plan_chunks(shapes, budget=10**9, group_by_shape=False)
+    assert sorted(i for chunk in padded for i in chunk) == list(range(len(SIZES)))
+    assert len(padded) < len(same)  # close sizes share a padded chunk
 
 
-def in_process(model: torch.nn.Module, image: InMemory) -> np.ndarray:
+def test_items_that_are_not_images_group_by_their_arrays_shapes_and_the_budget() -> None:
+    items = [{"a": np.zeros(4), "t": 0.5}, {"a": np.zeros(4), "t": 0.1}, {"a": np.zeros(5), "t": 0.5}, "text"]
+    shapes = [Shape.of(item) for item in items]
+    assert plan_chunks(shapes, budget=100, group_by_shape=True) == [[0, 1], [2], [3]]
+    assert plan_chunks(shapes, budget=7, group_by_shape=True) == [[0], [1], [2], [3]]
+
+
+def in_process(model: torch.nn.Module, image: np.ndarray) -> np.ndarray:
     """The same model run by hand on one image: float NCHW in [0, 1] -> uint8 HxWx3."""
-    tensor = torch.from_numpy(image.array).permute(2, 0, 1)[None].float() / 255
+    tensor = torch.from_numpy(image).permute(2, 0, 1)[None].float() / 255
     with torch.inference_mode():
         output = model(tensor)[0]
     return output.clamp(0, 1).mul(255).round().to(torch.uint8).permute(1, 2, 0).numpy()
 
 
 def test_same_size_batches_equal_single_runs_and_the_model_run_by_hand() -> None:
-    batch = runner(pad=False)(images())
+    batch = built_in(pad=False).predict(images())
+    single = built_in(pad=False)
     for image, output in zip(images(), batch, strict=True):
         assert output.dtype == np.uint8 and output.shape == image.shape
-        close(output, runner(pad=False)([image])[0])
+        close(output, single.predict([image])[0])
         close(output, in_process(build_denoiser(), image))
 
 
 def test_padded_batches_match_away_from_the_padded_edges() -> None:
-    batch = runner(pad=True)(images())
+    batch = built_in(pad=True).predict(images())
+    single = built_in(pad=False)
     for image, output in zip(images(), batch, strict=True):
-        single = runner(pad=False)([image])[0]
+        alone = single.predict([image])[0]
         assert output.shape == image.shape
         margin = 6  # the 5-layer model's receptive-field radius, plus one
-        close(output[:-margin, :-margin], single[:-margin, :-margin])
+        close(output[:-margin, :-margin], alone[:-margin, :-margin])
+
+
+class Records(torch.nn.Module):
+    """An identity model that keeps every input it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.clone())
+        return x
 
 
 def test_a_padded_chunk_repeats_each_image_edge_into_the_padding() -> None:
-    seen = []
-
-    class Records(torch.nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            seen.append(x.clone())
-            return x
-
-    small = InMemory(np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3))
-    large = InMemory(np.zeros((4, 5, 3), dtype=np.uint8))
-    outputs = runner(pad=True, model=Records())([small, large])
-    padded = (seen[0][0] * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    model = Records()
+    small = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
+    large = np.zeros((4, 5, 3), dtype=np.uint8)
+    outputs = built_in(pad=True, model=model).predict([small, large])
+    padded = (model.seen[-1][0] * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
     assert padded.shape == (4, 5, 3)
-    assert (padded[:2, :3] == small.array).all()
-    assert (padded[2:, :3] == small.array[-1]).all() and (padded[:, 3:] == padded[:, 2:3]).all()
-    assert (outputs[0] == small.array).all() and outputs[1].shape == (4, 5, 3)
+    assert (padded[:2, :3] == small).all()
+    assert (padded[2:, :3] == small[-1]).all() and (padded[:, 3:] == padded[:, 2:3]).all()
+    assert (outputs[0] == small).all() and outputs[1].shape == (4, 5, 3)
 
 
-class _OutOfMemoryAboveOne(torch.nn.Module):
+class OutOfMemoryAboveOne(torch.nn.Module):
     """SIMULATED out-of-memory on the CPU: raises torch.OutOfMemoryError for batches of more than one image."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,40 +119,42 @@ class _OutOfMemoryAboveOne(torch.nn.Module):
 
 
 def test_out_of_memory_splits_down_to_single_images() -> None:
-    splits = []
-    batch_runner = runner(pad=True, model=_OutOfMemoryAboveOne(), on_oom=lambda: splits.append(1))
-    outputs = batch_runner(images())
+    splits: list[int] = []
+    running = built_in(pad=True, model=OutOfMemoryAboveOne())
+    running.runner.on_oom = lambda: splits.append(1)
+    outputs = running.predict(images())
     assert all(isinstance(o, np.ndarray) for o in outputs)
     assert len(splits) >= 3
 
 
-def test_memory_plan_scales_batch_with_image_size() -> None:
-    plan = MemoryPlan(bytes_per_pixel=100.0, budget_bytes=100 * 1_000_000)
-    assert plan.pixel_budget == 1_000_000
-    assert plan.batch_size_at(250_000) == 4
-    assert plan.batch_size_at(4_000_000) == 1
-    measured = runner(pad=False).measure(0.5)
-    assert measured.bytes_per_pixel >= 2 * 3 * 4  # at least the fp32 input and output
-    assert measured.pixel_budget > 0
+def test_the_memory_plan_scales_the_batch_with_the_item_size() -> None:
+    plan = MemoryPlan(bytes_per_element=100.0, budget_bytes=100 * 1_000_000)
+    assert plan.element_budget == 1_000_000
+    assert plan.batch_size_for(250_000) == 4
+    assert plan.batch_size_for(4_000_000) == 1
+    running = built_in(pad=False)
+    measured = running.runner.measure(running.api.decode_request(running.api.example_request()), 0.5)
+    assert measured.bytes_per_element >= 2 * 4  # at least the fp32 input and output
+    assert measured.element_budget > 0
 
 
 def test_a_failing_image_fails_alone() -> None:
     class FailsOnTall(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if x.shape[-2] >= 64:
+            if x.shape[-2] == 64:
                 raise ValueError("too tall")
             return x
 
-    outputs = runner(pad=True, model=FailsOnTall())(images())
+    outputs = built_in(pad=True, model=FailsOnTall()).predict(images())
     failed = [i for i, o in enumerate(outputs) if isinstance(o, ApiError)]
-    assert failed == [3] and outputs[3].status == 500
+    assert failed == [3] and outputs[3].status == 500 and "too tall" in outputs[3].message
 
 
 def test_channels_last_gives_the_same_outputs_in_nhwc_memory() -> None:
-    nhwc = BatchRunner(build_denoiser(), torch.device("cpu"), channels_last=True)
-    seen = []
-    nhwc.model.register_forward_pre_hook(lambda _, args: seen.append(args[0].is_contiguous(memory_format=NHWC)))
-    for image, output in zip(images(), nhwc(images()), strict=True):
+    model = build_denoiser()
+    seen: list[bool] = []
+    model.register_forward_pre_hook(lambda _, args: seen.append(args[0].is_contiguous(memory_format=NHWC)))
+    for image, output in zip(images(), built_in(pad=False, model=model).predict(images()), strict=True):
         close(output, in_process(build_denoiser(), image))
     assert seen and all(seen)
 
@@ -151,10 +179,9 @@ def test_a_model_that_refuses_channels_last_falls_back_to_nchw_at_warm_up() -> N
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.conv(x).view(x.shape[0], -1).view(x.shape)  # flattening with .view needs NCHW memory
 
-    batch_runner = BatchRunner(ViewsItsInput(), torch.device("cpu"), channels_last=True)
-    batch_runner.measure(0.5)
-    assert not batch_runner.channels_last
-    outputs = batch_runner(images())
+    running = built_in(pad=False, model=ViewsItsInput())
+    assert not running.api.runner.channels_last
+    outputs = running.predict(images())
     assert [o.shape for o in outputs] == [i.shape for i in images()]
 
 
@@ -164,38 +191,26 @@ def test_a_model_answering_with_a_broadcast_view_still_gets_its_pixels() -> None
             return x.mean(dim=(1, 2, 3), keepdim=True).expand(-1, 3, x.shape[2], x.shape[3])
 
     image = images()[0]
-    [output] = runner(pad=False, model=Grey())([image])
+    [output] = built_in(pad=False, model=Grey()).predict([image])
     assert output.shape == image.shape and (output == output[0, 0, 0]).all()
-    assert abs(int(output[0, 0, 0]) - round(float(image.array.mean()))) <= 1
+    assert abs(int(output[0, 0, 0]) - round(float(image.mean()))) <= 1
 
 
 def test_the_memory_plan_shares_the_fraction_among_the_devices_workers_and_keeps_room_for_slots() -> None:
-    alone = BatchRunner(build_denoiser(), torch.device("cpu")).measure(0.8).budget_bytes
+    running = built_in(pad=False)
+    item = running.api.decode_request(running.api.example_request())
+    alone = running.runner.measure(item, 0.8).budget_bytes
     room = alone // 4
-    shared = BatchRunner(build_denoiser(), torch.device("cpu")).measure(0.8, sharers=4, reserved_bytes=room)
+    shared = running.runner.measure(item, 0.8, sharers=4, reserved_bytes=room)
     assert abs(4 * shared.budget_bytes + room - alone) < 0.05 * alone  # MemAvailable moves a little in between
-    huge = BatchRunner(build_denoiser(), torch.device("cpu")).measure(0.8, sharers=1, reserved_bytes=2**50)
+    huge = running.runner.measure(item, 0.8, sharers=1, reserved_bytes=2**50)
     assert abs(2 * huge.budget_bytes - alone) < 0.05 * alone  # the slots' room is at most half
 
 
-def test_split_seconds_times_the_batch_work_and_the_model_call() -> None:
-    runner = BatchRunner(build_denoiser(), torch.device("cpu"))
-    batch, cpu_s, device_s = runner.split_seconds([InMemory(np.zeros((32, 32, 3), dtype=np.uint8))] * 2)
-    assert batch == 2 and cpu_s >= 0 and device_s > 0
-
-
-def test_split_seconds_halves_a_batch_the_device_has_no_memory_for() -> None:
-    """The workers_per_device probe (a batch of 8 on a GPU) must not fail a server whose model fits fewer images;
-    out of memory even on one image is raised (imgserve then exits 2 with one line)."""
-    probe = [InMemory(np.zeros((16, 16, 3), dtype=np.uint8))] * 8
-    batch, _, device_s = runner(pad=False, model=_OutOfMemoryAboveOne()).split_seconds(probe)
-    assert batch == 1 and device_s > 0
-
-    def always(x: torch.Tensor) -> torch.Tensor:
-        raise torch.OutOfMemoryError("simulated")
-
-    with pytest.raises(torch.OutOfMemoryError):
-        runner(pad=False, model=always).split_seconds(probe)
+def test_the_probe_times_the_batch_work_and_the_predict_call() -> None:
+    running = built_in(pad=False)
+    outputs, device_s = running.hooks.predict_seconds([np.zeros((32, 32, 3), dtype=np.uint8)] * 2, running.device)
+    assert len(outputs) == 2 and device_s > 0
 
 
 def test_a_small_cpu_batch_is_converted_on_one_thread_and_the_model_runs_on_all_of_them(monkeypatch) -> None:
@@ -204,26 +219,50 @@ def test_a_small_cpu_batch_is_converted_on_one_thread_and_the_model_runs_on_all_
     the same as with every pass on all threads, and a large batch is converted on all of them."""
     model_threads = []
 
-    def model(x: torch.Tensor) -> torch.Tensor:
-        model_threads.append(torch.get_num_threads())
-        return x.clamp(0, 1)
+    class Clamp(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            model_threads.append(torch.get_num_threads())
+            return x.clamp(0, 1)
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        small = [InMemory(np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8))]
-        large = [InMemory(np.random.default_rng(2).integers(0, 256, (640, 640, 3), dtype=np.uint8))]
-        fast = runner(pad=False, model=model)
-        results = [fast(batch)[0] for batch in (small, large)]
+        small = [np.random.default_rng(1).integers(0, 256, (64, 64, 3), dtype=np.uint8)]
+        large = [np.random.default_rng(2).integers(0, 256, (640, 640, 3), dtype=np.uint8)]
+        fast = built_in(pad=False, model=Clamp())
+        model_threads.clear()  # the warm-up's
+        results = [fast.predict(batch)[0] for batch in (small, large)]
         assert model_threads == [2, 2] and torch.get_num_threads() == 2
         observed = []
         original = torch.set_num_threads
         with monkeypatch.context() as patch:  # a spy on the real call
             patch.setattr(torch, "set_num_threads", lambda n: (observed.append(n), original(n)))
-            fast(small)
-            fast(large)
+            fast.predict(small)
+            fast.predict(large)
         assert observed == [1, 2, 1, 2]  # the small batch's input and output passes; none for the large one
         for batch, result in zip((small, large), results, strict=True):
-            np.testing.assert_array_equal(result, batch[0].array)  # clamp(x / 255) * 255 rounds back to x
+            np.testing.assert_array_equal(result, batch[0])  # clamp(x / 255) * 255 rounds back to x
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_user_api_whose_predict_returns_the_wrong_count_answers_500_for_its_batch() -> None:
+    from imgserve.api import ImageAPI
+
+    class Short(ImageAPI):
+        def predict(self, batch: np.ndarray) -> list[int]:
+            return [1]
+
+    outputs = InProcess(Short()).setup().predict([np.zeros((4, 4, 3), dtype=np.uint8)] * 3)
+    assert all(isinstance(o, ApiError) and o.status == 500 and "3" in o.message for o in outputs)
+
+
+def test_out_of_memory_on_a_single_item_is_a_503_for_it() -> None:
+    def always(x: torch.Tensor) -> torch.Tensor:
+        raise torch.OutOfMemoryError("simulated")
+
+    class Always(torch.nn.Module):
+        forward = staticmethod(always)
+
+    with pytest.raises(torch.OutOfMemoryError):  # the warm-up itself runs out of memory
+        built_in(pad=False, model=Always())

@@ -48,7 +48,7 @@ def test_workers_per_device_auto_is_one_per_core_on_a_cpu_and_from_the_probe_on_
     assert plan_pod(Settings(), machine(cpus=1)).workers_per_device == 1
     assert plan_pod(Settings(workers_per_device="3"), machine(cpus=16, device_type="cuda")).workers_per_device == 3
     assert plan_pod(Settings(), machine(cpus=16, device_type="cuda")).workers_per_device == 1  # no probe
-    probe = GpuProbe(batch=8, side=256, cpu_s=0.020, device_s=0.020)
+    probe = GpuProbe(batch=8, items="256x256 images", cpu_s=0.020, device_s=0.020)
     plan = plan_pod(Settings(), machine(cpus=16, device_type="cuda", devices=2, probe=probe))
     assert (plan.workers_per_device, plan.workers, plan.devices) == (2, 4, ["cuda:0", "cuda:1"])
     assert "20.0 ms of a worker's CPU and 20.0 ms on the GPU: 2 worker(s)" in plan.workers_per_device_why
@@ -91,7 +91,7 @@ def test_a_cpu_pod_runs_two_front_ends_at_most_one_per_core(cpus: int, front_end
 
 
 def test_a_gpu_pod_leaves_the_workers_cores_to_the_front_ends() -> None:
-    probe = GpuProbe(8, 256, cpu_s=0.060, device_s=0.020)
+    probe = GpuProbe(8, "256x256 images", cpu_s=0.060, device_s=0.020)
     plan = plan_pod(Settings(), machine(cpus=16, device_type="cuda", probe=probe))
     assert (plan.workers_per_device, plan.front_ends, plan.codec_threads_per_front_end) == (4, 4, 4)
     assert plan_pod(Settings(), machine(cpus=2, device_type="cuda")).front_ends == 1

@@ -1,32 +1,35 @@
-"""The one way into the model for every protocol: admit these images, wait for their results.
+"""The one way into the model for every protocol: admit these items, decode them, hand them over, encode the answers.
 
-`/predict`, the Open Inference Protocol's HTTP infer and its gRPC ModelInfer are thin adapters onto `Inference.run`:
-a request's N images take N places in the pod's queue, all or none (503 when there is no room), each is decoded
-into its own slot and goes to the dynamic batcher on its own, and the request is answered once every image has its
-result. Any image that cannot be decoded fails the whole request before anything reaches a worker.
+`/predict`, the Open Inference Protocol's HTTP infer and its gRPC ModelInfer, and a plain LitAPI's route are thin
+adapters onto `Inference.run`: a call's N items take N places in the pod's queue, all or none (503 when there is
+no room); each is decoded by the API's `decode_request` into its own slot and goes to the dynamic batcher on its
+own; each answer is encoded by `encode_response`. Small items are decoded and encoded on the event loop, larger
+ones on the front end's codec threads. The call is answered once every item has its answer; an item that fails
+fails the whole call, and what it cost stops there: nothing of a call reaches a worker unless all its items
+decoded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
-import numpy as np
+from prometheus_client import Histogram
 
-from imgserve.config import Settings
-from imgserve.errors import ApiError
-from imgserve.frontend import codec
+from imgserve import metrics
+from imgserve.errors import ApiError, fault, from_exception
 from imgserve.frontend.admission import Admission
 from imgserve.handoff.dispatch import Dispatcher, Slot
-from imgserve.handoff.state import SharedState
-from imgserve.models.preprocess import Geometry, Preprocess
 
-INLINE_CODEC_BYTES = 32 * 1024  # images up to this size are decoded (and their answers encoded) on the event loop
-Image = bytes | np.ndarray  # encoded bytes (any accepted format), or decoded uint8 HxWx3 RGB pixels
+log = logging.getLogger(__name__)
+INLINE_CODEC_BYTES = 32 * 1024  # items carrying up to this many bytes are decoded and encoded on the event loop
 T = TypeVar("T")
+Call = TypeVar("Call")  # one item of a call, as the protocol read it
 
 
 class CodecThreads:
@@ -44,63 +47,85 @@ class CodecThreads:
         return await anyio.to_thread.run_sync(function, *args, limiter=self._limiter)
 
 
-class Inference:
-    """Admission, decoding into slots, hand-off to the workers and the wait for their answers."""
+class Steps(Generic[Call]):
+    """A protocol's way around the hand-off: `decode` one item into what travels to the worker, `encode` its answer,
+    and how many bytes an item carries (what decides where they run)."""
 
     def __init__(
-        self, settings: Settings, state: SharedState, dispatcher: Dispatcher, admission: Admission, codec: CodecThreads
+        self,
+        decode: Callable[[Call], Any],
+        encode: Callable[[Any, Call], Any],
+        size: Callable[[Call], int],
+        names: tuple[str, str] = ("decode_request", "encode_response"),
     ) -> None:
-        self.settings, self.state, self.dispatcher, self.admission = settings, state, dispatcher, admission
-        self.preprocess = Preprocess.from_settings(settings)
-        self.codec = codec
+        self.decode, self.encode, self.size, self.names = decode, encode, size, names
 
-    async def _call(self, inline: bool, function: Callable[..., Any], *args: Any) -> Any:
-        """`function(*args)` on the event loop when `inline`, else on a codec thread."""
-        return function(*args) if inline else await self.codec.run(function, *args)
 
-    async def run(self, images: Sequence[Image], deadline: float, finish: Callable[[Any, Geometry], T]) -> list[T]:
-        """Each image's result passed through `finish(result, geometry)` (on the event loop for small images, else
-        on a codec thread), in order; an ApiError for the first failure of any of them."""
-        if not images:
-            raise ApiError(400, "no_images", "the request carries no image")
+class Inference:
+    """Admission, decoding into slots, hand-off to the workers, the wait for their answers, and encoding."""
+
+    def __init__(self, dispatcher: Dispatcher, admission: Admission, codec: CodecThreads) -> None:
+        self.dispatcher, self.admission, self.codec = dispatcher, admission, codec
+
+    async def run(self, calls: Sequence[Call], deadline: float, steps: Steps[Call]) -> list[Any]:
+        """Each item's encoded answer, in order; an ApiError for the first failure of any of them."""
+        if not calls:
+            raise ApiError(400, "no_images", "the request carries no item")
         refusal = self.admission.refusal()  # draining, or a full queue
         if refusal is not None:
             raise refusal
-        self.admission.admit(len(images))
+        self.admission.admit(len(calls))
         try:
             async with contextlib.AsyncExitStack() as stack:
-                slots = [await stack.enter_async_context(self.dispatcher.slot()) for _ in images]
-                inline = [_size(image) <= INLINE_CODEC_BYTES for image in images]
-                # Large images decode on the codec threads; every decode ends before a slot is let go.
-                geometries = await _all(
-                    self._call(small, self._decode_into, image, slot)
-                    for small, image, slot in zip(inline, images, slots, strict=True)
+                slots = [await stack.enter_async_context(self.dispatcher.slot()) for _ in calls]
+                inline = [steps.size(call) <= INLINE_CODEC_BYTES for call in calls]
+                # Large items decode on the codec threads; every decode ends before a slot is let go.
+                items = await _all(
+                    self._call(small, self._decode_into, steps, call, slot)
+                    for small, call, slot in zip(inline, calls, slots, strict=True)
                 )
-                answers = await _all(
-                    slot.submit(shape, deadline) for slot, (shape, _) in zip(slots, geometries, strict=True)
-                )
+                answers = await _all(slot.submit(item, deadline) for slot, item in zip(slots, items, strict=True))
                 return [
-                    await self._call(small, self._finish, finish, slot, answer, geometry)
-                    for small, slot, answer, (_, geometry) in zip(inline, slots, answers, geometries, strict=True)
+                    await self._call(small, self._encode, steps, call, slot, answer)
+                    for small, call, slot, answer in zip(inline, calls, slots, answers, strict=True)
                 ]
         finally:
-            self.admission.release(len(images))
+            self.admission.release(len(calls))
 
-    def _decode_into(self, image: Image, slot: Slot) -> tuple[tuple[int, ...], Geometry]:
-        """Decode, validate and preprocess one image straight into its slot; its shape is all that is queued, and
-        its geometry (how the model's input was cut from the upload) stays here for the answer."""
-        limit = self.settings.max_image_pixels
-        if isinstance(image, np.ndarray):
-            pixels, geometry = codec.prepare_pixels(image, limit, self.preprocess)
-        else:
-            pixels, geometry = codec.decode_image(image, limit, self.preprocess)
-        slot.write(pixels)
-        return pixels.shape, geometry
+    async def _call(self, inline: bool, function: Callable[..., T], *args: Any) -> T:
+        """`function(*args)` on the event loop when `inline`, else on a codec thread."""
+        return function(*args) if inline else await self.codec.run(function, *args)
 
     @staticmethod
-    def _finish(finish: Callable[[Any, Geometry], T], slot: Slot, answer: Any, geometry: Geometry) -> T:
-        """The worker's result, read from the slot when it lies there, through `finish`."""
-        return finish(slot.result(answer), geometry)
+    def _decode_into(steps: Steps[Call], call: Call, slot: Slot) -> Any:
+        """The item decoded, its arrays written into its slot; what remains travels in the message."""
+        item = _hook(steps.decode, steps.names[0], metrics.DECODE_DURATION, call)
+        try:
+            return slot.place(item)
+        except TypeError as exc:
+            log.error("%s returned what cannot travel to a worker: %s", steps.names[0], exc)
+            raise ApiError(500, "api_error", f"{steps.names[0]} returned what cannot travel: {exc}"[:300]) from None
+
+    @staticmethod
+    def _encode(steps: Steps[Call], call: Call, slot: Slot, answer: Any) -> Any:
+        """The worker's answer, read from the slot where it lies there, encoded."""
+        return _hook(steps.encode, steps.names[1], metrics.ENCODE_DURATION, slot.result(answer), call)
+
+
+def _hook(step: Callable[..., T], name: str, seconds: Histogram, *args: Any) -> T:
+    """A hook's answer, timed; its exception as the ApiError it answers with (an unexpected one: 500, with its
+    traceback logged once)."""
+    started = time.perf_counter()
+    try:
+        return step(*args)
+    except Exception as exc:
+        error = from_exception(exc)
+        if error is None:
+            log.exception("%s failed", name)
+            error = fault(exc, name)
+        raise error from None
+    finally:
+        seconds.observe(time.perf_counter() - started)
 
 
 async def _all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
@@ -110,7 +135,3 @@ async def _all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
         if isinstance(result, BaseException):
             raise result
     return results  # type: ignore[return-value]  # none of them is an exception here
-
-
-def _size(image: Image) -> int:
-    return len(image) if isinstance(image, bytes) else image.nbytes

@@ -28,6 +28,13 @@ GRPC_INFER, GRPC_OTHER = "grpc/ModelInfer", "grpc"
 INFER_ROUTES = {*PREDICT_PATHS, V2_INFER}
 
 
+def serve_predictions_at(path: str) -> None:
+    """Count `path` as a prediction route too (a plain LitAPI's api_path): admitted, guarded and labelled as
+    /predict is. Called in the main process, before the front ends are forked."""
+    ROUTES.add(path)
+    INFER_ROUTES.add(path)
+
+
 def route(path: str) -> str:
     """The `route` label of an HTTP request path (low cardinality: unknown paths are `other`)."""
     if path in ROUTES:

@@ -28,13 +28,16 @@ from litserve.utils import LitAPIStatus
 
 from imgserve import heap, metrics
 from imgserve.errors import ApiError
+from imgserve.handoff import items, wire
 from imgserve.handoff.answers import FrontEndAnswers
-from imgserve.handoff.slots import InSlot, SlotFiles
+from imgserve.handoff.requests import MAX_REQUEST_BYTES
+from imgserve.handoff.slots import SlotFiles
 from imgserve.handoff.state import SharedState
 
 log = logging.getLogger(__name__)
 WORKER_CHECK_S = 0.25  # how often a waiting request looks for its worker's death
 ORPHAN_GRACE_S = 10.0  # a slot whose request no worker ever took is freed this long after the deadline
+INLINE_BYTES = 1024  # bytes up to this size travel in the request message, larger ones in the slot
 IDLE_SLOT_S = 5.0  # a free slot unused this long gives its memory back (so a burst's /dev/shm use ends with it)
 BUSY_TRIM_S = 60.0  # under a long load, a front end gives its free heap memory back this often
 
@@ -48,31 +51,37 @@ class _Pending:
     ticket: int
     submitted: float
     deadline: float
-    message: tuple
+    message: bytes  # packed (wire.pack_request), kept to be sent again if its worker died holding it
     answer: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     given_up: bool = False
     resent: bool = False
 
 
 class Slot:
-    """One request's slot while its handler holds it: write the pixels, submit, read the answer."""
+    """One request's slot while its handler holds it: place the item, submit it, read the answer."""
 
     def __init__(self, dispatcher: Dispatcher, index: int, ticket: int) -> None:
         self.dispatcher, self.index, self.ticket = dispatcher, index, ticket
         self.pending: _Pending | None = None
 
-    def write(self, pixels: np.ndarray) -> None:
-        self.dispatcher.files.write(self.index, pixels)
+    def place(self, item: Any) -> Any:
+        """Write the item's arrays and large bytes into the slot (items.place); what remains travels in the
+        message. TypeError for a value that cannot travel."""
+        return items.place(item, self._write, inline_bytes=INLINE_BYTES)
 
-    async def submit(self, shape: tuple[int, ...], deadline: float) -> Any:
-        """Queue the request for a worker and wait for its answer, until the deadline or the worker's death."""
-        return await self.dispatcher.submit(self, shape, deadline)
+    async def submit(self, item: Any, deadline: float) -> Any:
+        """Queue the placed item for a worker and wait for its answer, until the deadline or the worker's death."""
+        return await self.dispatcher.submit(self, item, deadline)
 
     def result(self, answer: Any) -> Any:
-        """The worker's answer, read from the slot when it lies there."""
-        if isinstance(answer, InSlot):
-            return self.dispatcher.files.read(self.index, answer.shape, answer.dtype)
-        return answer
+        """The worker's answer, with what lies in the slot read back."""
+        return items.resolve(answer, self._read)
+
+    def _write(self, array: np.ndarray, offset: int) -> None:
+        self.dispatcher.files.write(self.index, array, offset)
+
+    def _read(self, offset: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+        return self.dispatcher.files.read(self.index, shape, dtype, offset)
 
 
 class Dispatcher:
@@ -122,10 +131,17 @@ class Dispatcher:
             else:  # a worker has it or may still take it: the slot waits for that answer, or the worker's death
                 slot.pending.given_up = True
 
-    async def submit(self, slot: Slot, shape: tuple[int, ...], deadline: float) -> Any:
+    async def submit(self, slot: Slot, item: Any, deadline: float) -> Any:
         uid, now = f"{self._front_end}.{slot.ticket:x}", time.monotonic()  # unique, and cheaper than a uuid4
-        payload = {"slot": (slot.index, slot.ticket), "shape": shape, "deadline": deadline, "admitted": now}
-        message = (self._front_end, uid, now, payload)
+        payload = {"slot": (slot.index, slot.ticket), "deadline": deadline, "admitted": now, "item": item}
+        message = wire.pack_request((self._front_end, uid, now, payload))
+        if len(message) > MAX_REQUEST_BYTES:
+            raise ApiError(
+                500,
+                "item_too_large",
+                f"decode_request returned over {MAX_REQUEST_BYTES} bytes of plain values: return arrays or bytes "
+                "for large data (they travel in shared memory)",
+            )
         pending = slot.pending = self._pending[uid] = _Pending(uid, slot.index, slot.ticket, now, deadline, message)
         self._send(message)
         output, status = await self._wait(pending)
@@ -201,7 +217,7 @@ class Dispatcher:
                     self._release(pending.slot)
 
     # The hand-off itself.
-    def _send(self, message: tuple) -> None:
+    def _send(self, message: bytes) -> None:
         """Queue a request for the workers from the event loop; the sender thread queues it (waiting for room)
         when the socket's queue is full, or while earlier requests still wait for room there (so order holds)."""
         with contextlib.suppress(OSError):  # the workers' socket is gone: the server is stopping (see _lost)

@@ -41,19 +41,20 @@ class RequestSocket:
     def __getstate__(self) -> dict[str, Any]:
         return {"address": self.address, "_receiver": self._receiver, "_sender": None, "_nowait_sender": None}
 
-    def put(self, message: Any) -> None:
-        """Queue one request; blocks while every worker is busy and the socket's queue is full."""
+    def put(self, message: bytes) -> None:
+        """Queue one request (packed by wire.pack_request); blocks while every worker is busy and the socket's queue
+        is full."""
         if self._sender is None:
             self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self._sender.sendto(wire.pack_request(message), self.address)
+        self._sender.sendto(message, self.address)
 
-    def put_nowait(self, message: Any) -> bool:
-        """Queue one request if the socket's queue has room now; False (nothing sent) when it is full."""
+    def put_nowait(self, message: bytes) -> bool:
+        """Queue one packed request if the socket's queue has room now; False (nothing sent) when it is full."""
         if self._nowait_sender is None:
             self._nowait_sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._nowait_sender.setblocking(False)
         try:
-            self._nowait_sender.sendto(wire.pack_request(message), self.address)
+            self._nowait_sender.sendto(message, self.address)
         except (BlockingIOError, InterruptedError):
             return False
         return True

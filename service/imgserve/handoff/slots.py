@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -18,17 +17,6 @@ import numpy as np
 from imgserve.errors import ApiError
 
 KEEP_BYTES = 16 * 1024 * 1024  # a slot that carried more is emptied when freed, so a burst of huge images ends
-
-
-@dataclass(frozen=True)
-class InSlot:
-    """A worker's answer that lies in the request's slot: its shape and dtype (the bytes do not travel)."""
-
-    shape: tuple[int, ...]
-    dtype: str
-
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
 
 
 def bytes_in_use(directory: Path) -> int:
@@ -56,31 +44,31 @@ class SlotFiles:
             )
         return fd
 
-    def write(self, slot: int, array: np.ndarray) -> None:
-        """Put `array`'s bytes at the start of the slot (503 when /dev/shm is full, of bytes or of files)."""
+    def write(self, slot: int, array: np.ndarray, offset: int = 0) -> None:
+        """Put `array`'s bytes into the slot at `offset` (503 when /dev/shm is full, of bytes or of files)."""
         data = memoryview(np.ascontiguousarray(array).data).cast("B")
         done = 0
         try:
             fd = self._fd(slot)
             while done < len(data):
-                done += os.pwrite(fd, data[done:], done)
+                done += os.pwrite(fd, data[done:], offset + done)
         except OSError as exc:
             raise ApiError(503, "no_shared_memory", f"cannot place the image in shared memory: {exc}", 1) from None
 
-    def read_into(self, slot: int, out: np.ndarray) -> None:
-        """Fill the contiguous array `out` from the start of the slot."""
+    def read_into(self, slot: int, out: np.ndarray, offset: int = 0) -> None:
+        """Fill the contiguous array `out` from the slot, from `offset` on."""
         view = memoryview(out.data).cast("B")
         fd, done = self._fd(slot), 0
         while done < len(view):
-            got = os.preadv(fd, [view[done:]], done)
+            got = os.preadv(fd, [view[done:]], offset + done)
             if got == 0:
                 raise ApiError(500, "slot_short", f"slot {slot} holds {done} bytes, {len(view)} expected")
             done += got
 
-    def read(self, slot: int, shape: tuple[int, ...], dtype: str = "uint8") -> np.ndarray:
-        """A new array of `shape` and `dtype` read from the slot."""
+    def read(self, slot: int, shape: tuple[int, ...], dtype: str = "uint8", offset: int = 0) -> np.ndarray:
+        """A new array of `shape` and `dtype` read from the slot at `offset`."""
         out = np.empty(shape, dtype=dtype)
-        self.read_into(slot, out)
+        self.read_into(slot, out, offset)
         return out
 
     def trim(self, slot: int, keep_bytes: int = KEEP_BYTES) -> None:

@@ -23,7 +23,7 @@ class SharedState:
         self._queue_lost = _ctx.Value("b", 0)
         self._exit_code = _ctx.Value("i", 0)
         self._batch_size = _ctx.Value("i", 0)
-        self._pixel_budget = _ctx.Value("q", 0)
+        self._element_budget = _ctx.Value("q", 0)
         self._budget_bytes = _ctx.Value("q", 0)
         self._alive = _ctx.Array("b", [1] * workers)
         self._lost_at = _ctx.Array("d", [0.0] * workers)
@@ -87,8 +87,8 @@ class SharedState:
         return self._exit_code.value
 
     # What the workers decided at warm-up.
-    def set_limits(self, batch_size: int, pixel_budget: int, budget_bytes: int) -> None:
-        self._batch_size.value, self._pixel_budget.value = batch_size, pixel_budget
+    def set_limits(self, batch_size: int, element_budget: int, budget_bytes: int) -> None:
+        self._batch_size.value, self._element_budget.value = batch_size, element_budget
         self._budget_bytes.value = budget_bytes
 
     def set_task(self, kind: str) -> None:
@@ -111,7 +111,7 @@ class SharedState:
     def limits(self) -> dict[str, int | None]:
         return {
             "max_batch_size": self._batch_size.value or None,
-            "pixel_budget": self._pixel_budget.value or None,
+            "element_budget": self._element_budget.value or None,
             "budget_bytes": self._budget_bytes.value or None,
         }
 

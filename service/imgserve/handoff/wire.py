@@ -1,10 +1,11 @@
 """The messages between the server's processes, as msgpack: data, never code; and the sockets that carry them.
 
-A request (front end -> workers) and an answer (worker -> front end) are small msgpack arrays. The values a batch
-answers with travel as msgpack extension types: an `ApiError`, an `InSlot` (the result lies in the request's slot),
-a numeric array (dtype, shape, raw bytes). Decoding checks every field's type and bound, and anything else is a
-`WireError`: a datagram the receiver drops with a warning, whoever sent it. Nothing is unpickled. The sockets are
-files in the server's private directory (0700), so no other user can reach them.
+A request (front end -> workers) and an answer (worker -> front end) are small msgpack arrays carrying an item
+(handoff/items.py): plain values, and as msgpack extension types an `InSlot` or `BytesInSlot` (the data lies in the
+request's slot), a small numeric array (dtype, shape, raw bytes), and in answers an `ApiError`. Decoding checks
+every field's type and bound, and anything else is a `WireError`: a datagram the receiver drops with a warning,
+whoever sent it. Nothing is unpickled. The sockets are files in the server's private directory (0700), so no other
+user can reach them.
 """
 
 from __future__ import annotations
@@ -20,10 +21,9 @@ import numpy as np
 from litserve.utils import LoopResponseType
 
 from imgserve.errors import ApiError
-from imgserve.handoff.slots import InSlot
+from imgserve.handoff.items import ARRAY_KINDS, BytesInSlot, InSlot
 
-ERROR, IN_SLOT, ARRAY = 1, 2, 3  # the extension type codes
-ARRAY_KINDS = "biuf"  # booleans, integers, floats: nothing that holds Python objects
+ERROR, IN_SLOT, ARRAY, BYTES_IN_SLOT = 1, 2, 3, 4  # the extension type codes
 MAX_DIMENSIONS = 8
 
 
@@ -42,22 +42,21 @@ def bound_socket(address: str, receive_buffer: int) -> socket.socket:
     return receiver
 
 
-# Requests: [front end, uid, queued at (monotonic), {"slot": [index, ticket], "shape": [...], "deadline", "admitted"}]
+# Requests: [front end, uid, queued at (monotonic), {"slot": [index, ticket], "deadline", "admitted", "item"}]
 def pack_request(message: tuple[int, str, float, dict[str, Any]]) -> bytes:
-    return msgpack.packb(message)
+    return msgpack.packb(message, default=_pack_value)
 
 
 def unpack_request(data: bytes) -> tuple[int, str, float, dict[str, Any]]:
     """The request as the front end queued it (lists where it sent tuples), or WireError."""
-    message = _unpack(data, ext_hook=None)
+    message = _unpack(data, ext_hook=_unpack_item_value)
     if not (isinstance(message, list) and len(message) == 4):
         raise WireError("a request is an array of 4")
     front_end, uid, queued, payload = message
     _check(_is_int(front_end) and front_end >= 0 and isinstance(uid, str) and _is_time(queued), "request header")
-    _check(isinstance(payload, dict), "request payload")
-    slot, shape = payload.get("slot"), payload.get("shape")
+    _check(isinstance(payload, dict) and "item" in payload, "request payload")
+    slot = payload.get("slot")
     _check(isinstance(slot, list) and len(slot) == 2 and all(_is_int(v) and v >= 0 for v in slot), "slot")
-    _check(_is_shape(shape), "shape")
     _check(_is_time(payload.get("deadline")) and _is_time(payload.get("admitted")), "deadline")
     return front_end, uid, queued, payload
 
@@ -90,9 +89,11 @@ def _pack_value(value: Any) -> msgpack.ExtType:
     if isinstance(value, ApiError):
         return msgpack.ExtType(ERROR, msgpack.packb([value.status, value.code, value.message, value.retry_after]))
     if isinstance(value, InSlot):
-        return msgpack.ExtType(IN_SLOT, msgpack.packb([list(value.shape), value.dtype]))
+        return msgpack.ExtType(IN_SLOT, msgpack.packb([value.offset, list(value.shape), value.dtype]))
+    if isinstance(value, BytesInSlot):
+        return msgpack.ExtType(BYTES_IN_SLOT, msgpack.packb([value.offset, value.length]))
     if isinstance(value, np.ndarray) and value.dtype.kind in ARRAY_KINDS:
-        array = np.ascontiguousarray(value)
+        array = np.require(value, requirements="C")
         return msgpack.ExtType(ARRAY, msgpack.packb([array.dtype.str, list(array.shape), array.tobytes()]))
     if isinstance(value, np.generic) and value.dtype.kind in ARRAY_KINDS:
         return value.item()
@@ -100,17 +101,28 @@ def _pack_value(value: Any) -> msgpack.ExtType:
 
 
 def _unpack_value(code: int, data: bytes) -> Any:
+    """An extension value of an answer: an item's, or an ApiError."""
+    if code != ERROR:
+        return _unpack_item_value(code, data)
+    fields = _unpack(data, ext_hook=None)
+    _check(isinstance(fields, list) and len(fields) == 4, "error")
+    status, error_code, message, retry_after = fields
+    _check(_is_int(status) and 400 <= status <= 599 and isinstance(error_code, str), "error")
+    _check(isinstance(message, str) and (retry_after is None or _is_int(retry_after)), "error")
+    return ApiError(status, error_code, message, retry_after)
+
+
+def _unpack_item_value(code: int, data: bytes) -> Any:
+    """An extension value of an item: where in the slot an array or bytes lie, or a small array."""
     fields = _unpack(data, ext_hook=None)
     _check(isinstance(fields, list), "extension value")
-    if code == ERROR and len(fields) == 4:
-        status, error_code, message, retry_after = fields
-        _check(_is_int(status) and 400 <= status <= 599 and isinstance(error_code, str), "error")
-        _check(isinstance(message, str) and (retry_after is None or _is_int(retry_after)), "error")
-        return ApiError(status, error_code, message, retry_after)
-    if code == IN_SLOT and len(fields) == 2:
-        shape, dtype = fields
-        _check(_is_shape(shape), "shape")
-        return InSlot(tuple(shape), _dtype(dtype).str)
+    if code == IN_SLOT and len(fields) == 3:
+        offset, shape, dtype = fields
+        _check(_is_int(offset) and 0 <= offset < 2**40 and _is_shape(shape), "slot reference")
+        return InSlot(offset, tuple(shape), _dtype(dtype).str)
+    if code == BYTES_IN_SLOT and len(fields) == 2:
+        _check(all(_is_int(value) and 0 <= value < 2**40 for value in fields), "slot reference")
+        return BytesInSlot(*fields)
     if code == ARRAY and len(fields) == 3:
         dtype, shape, raw = _dtype(fields[0]), fields[1], fields[2]
         _check(_is_shape(shape) and isinstance(raw, bytes), "array")

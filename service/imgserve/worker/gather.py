@@ -26,10 +26,14 @@ from litserve.specs.base import LitSpec
 from litserve.transport.base import MessageTransport
 from litserve.utils import LitAPIStatus, LoopResponseType
 
-from imgserve.engine import STOP_SENTINEL, StopLoop
 from imgserve.handoff.state import SharedState
 
 log = logging.getLogger(__name__)
+
+
+class QueueGone(Exception):
+    """The request socket is gone: the server is stopping, and this worker's loop ends."""
+
 
 IDLE_WAIT_S = 0.05  # one queue call per 50 ms while idle; a request or the stop sentinel wakes it at once
 TRIM_AFTER_IDLE_S = 2.0  # a worker idle this long gives the memory of its last batches back
@@ -51,12 +55,12 @@ class GatheringLoop(BatchedLoop):
         callback_runner: CallbackRunner,
         lit_spec: LitSpec | None = None,
     ) -> None:
-        """Until the stop sentinel: take a batch, predict it (one answer per request, errors included), send each
-        answer to its front end. A predict that raises fails its whole batch: the front ends answer each with 500."""
+        """Until the request socket is gone: take a batch, predict it (one answer per request, errors included),
+        send each answer to its front end. A predict that raises fails its whole batch: each is answered 500."""
         while True:
             try:
                 batch = self.gather_batch(lit_api, request_queue)
-            except StopLoop:
+            except QueueGone:
                 return
             if not batch:
                 continue
@@ -96,9 +100,7 @@ class GatheringLoop(BatchedLoop):
             except Empty:
                 return None
             except (EOFError, OSError):  # the queue process died: the main process stops the server
-                raise StopLoop() from None
-            if request == STOP_SENTINEL:
-                raise StopLoop()
+                raise QueueGone() from None
             # So the front end knows which worker holds it, and fails it fast if that worker dies. A request whose
             # slot has moved on to another (its front end gave up on it long ago) is dropped unanswered.
             slot, ticket = request[3]["slot"]

@@ -1,92 +1,59 @@
-"""The served model as the Open Inference Protocol sees it: its tensors, metadata, configuration and inference.
+"""The served API as the Open Inference Protocol sees it: its declared tensors, metadata, configuration and
+inference.
 
-Both wire formats (HTTP in http.py, gRPC in grpc_service.py) convert to and from tensors.InferRequest / Tensor and call
-`ServedModel.infer`, which hands the images to the one inference core (frontend/inference.py).
-
-Inputs (send one of them): `image` BYTES [N, 1], each element an encoded image (JPEG, PNG, WebP, BMP, GIF, TIFF;
-decoded with the same codec and limits as /predict); or `pixels` UINT8 [N, H, W, 3], RGB, HWC.
-Outputs by the model's kind (the batch dimension N first):
-- image: `output_image` BYTES [N, 1] encoded (request parameter `format`: jpeg, png or webp; `quality`), the
-  default; `output_pixels` UINT8 [N, H, W, C] when asked for by name (the images must share one size).
-- classify: `scores` FP32 [N, K] probabilities; with the classification extension (output parameter
-  `classification: k`) BYTES [N, k] of "score:index[:label]", best first.
-- segment: `mask` UINT8 [N, H, W], each pixel's class index on the upload (255 where the model saw nothing).
-- detect: `boxes` FP32 [N, D, 4] (left, top, right, bottom on the upload), `scores` FP32 [N, D], `labels` INT32
-  [N, D] (class indices; -1 pads), `count` INT32 [N, 1] (detections per image, D the largest); request parameter
-  `score_threshold` (default 0.5).
+Both wire formats (HTTP in http.py, gRPC in grpc_service.py) convert to and from tensors.InferRequest / Tensor and
+call `ServedModel.infer`. A request's tensors carry a batch of N items along their first dimension: item i gets a
+`Request` whose inputs are row i of each input tensor; the API decodes each in the front end, the workers batch
+them with every other call's, and each item's encoded answer (a dict of the declared outputs' values) becomes row i
+of each output tensor. Items whose values differ in shape are padded with the output's `pad`, or refused (400)
+where it has none. An API that declares no tensors takes one encoded image (`image`, BYTES [N, 1]) and answers
+one BYTES output (`output`) holding its /predict answer. With the classification extension (output parameter
+`classification: k`) a numeric output answers BYTES [N, k] of "score:index[:label]", best first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from imgserve import __version__
+from imgserve.api import ImageAPI, Request, TensorSpec, encoder
 from imgserve.config import Settings
 from imgserve.errors import ApiError
-from imgserve.frontend import codec
-from imgserve.frontend.inference import Image, Inference
-from imgserve.frontend.render import Renderer, detections_on_original, mask_on_original
+from imgserve.frontend.inference import Inference, Steps
+from imgserve.frontend.responding import json_bytes
 from imgserve.frontend.v2.tensors import DTYPES, InferRequest, RequestedOutput, Tensor, bad
 from imgserve.handoff.state import SharedState
-from imgserve.models.preprocess import Geometry
+from imgserve.version import __version__
 
 VERSION = "1"
-PLATFORM = "pytorch_libtorch"
-EXTENSIONS = ["binary_tensor_data", "model_configuration"]  # + classification for classifiers
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "classification"]
 
 
-@dataclass(frozen=True)
-class Spec:
-    """One tensor of the model's signature; `dims` leave out the batch dimension."""
-
-    name: str
-    datatype: str
-    dims: tuple[int, ...]
-
-    def metadata(self) -> dict[str, Any]:
-        return {"name": self.name, "datatype": self.datatype, "shape": [-1, *self.dims]}
-
-    def config(self, **extra: Any) -> dict[str, Any]:
-        data_type = "TYPE_STRING" if self.datatype == "BYTES" else f"TYPE_{self.datatype}"
-        return {"name": self.name, "data_type": data_type, "dims": list(self.dims), **extra}
-
-
-INPUTS = (Spec("image", "BYTES", (1,)), Spec("pixels", "UINT8", (-1, -1, 3)))
-OUTPUTS = {
-    "image": (Spec("output_image", "BYTES", (1,)), Spec("output_pixels", "UINT8", (-1, -1, -1))),
-    "classify": (Spec("scores", "FP32", (-1,)),),
-    "segment": (Spec("mask", "UINT8", (-1, -1)),),
-    "detect": (
-        Spec("boxes", "FP32", (-1, 4)),
-        Spec("scores", "FP32", (-1,)),
-        Spec("labels", "INT32", (-1,)),
-        Spec("count", "INT32", (1,)),
-    ),
-}
-DEFAULT_OUTPUTS = {"image": ("output_image",)}  # the others answer every output by default
-# A detection output: its place in (box, index, score), datatype, padding and the dimensions after [N, D].
-DETECTION_FIELDS = {"boxes": (0, "FP32", 0.0, [4]), "labels": (1, "INT32", -1, []), "scores": (2, "FP32", 0.0, [])}
-OUTPUT_FORMATS = ("jpeg", "png", "webp")
+def platform(model: str) -> str:
+    """The metadata's `platform` (the specification calls it information only): TorchScript files are
+    `pytorch_torchscript`, the spec's word for them; any other model, or a user's Python, `pytorch` (imgserve runs
+    it in PyTorch's eager mode)."""
+    return "pytorch_torchscript" if model.endswith((".ts", ".jit")) else "pytorch"
 
 
 class ServedModel:
-    """The one model this server serves, under --model-name, version 1."""
+    """The one API this server serves, under its name, version 1."""
 
     def __init__(
         self,
+        api: ImageAPI,
+        name: str,
         settings: Settings,
         state: SharedState,
         inference: Inference,
-        renderer: Renderer,
         not_ready_reason: Callable[[], str | None],
     ) -> None:
-        self.settings, self.state, self.inference, self.renderer = settings, state, inference, renderer
+        self.api, self.name, self.settings, self.state, self.inference = api, name, settings, state, inference
         self.not_ready_reason = not_ready_reason
-        self.name = settings.served_name
+        self.platform = platform(settings.model if api.model is None else api.model)
+        self._encode = encoder(api)
 
     def check(self, name: str, version: str | None = None) -> None:
         """404 unless `name` (and `version`, if given) is the served model."""
@@ -96,156 +63,189 @@ class ServedModel:
             raise ApiError(404, "unknown_version", f"model {name!r} has only version {VERSION}, not {version[:20]!r}")
 
     def max_images(self) -> int:
-        """The most images one request may carry (what the pod's queue holds): the parsers' bound on BYTES elements."""
+        """The most items one request may carry (what the pod's queue holds): the parsers' bound on BYTES elements."""
         return self.inference.admission.limit()
 
-    @property
-    def kind(self) -> str:
-        """The output kind the workers decided at warm-up (503 before the model is loaded)."""
-        kind = self.state.task
-        if kind is None:
-            raise ApiError(503, "model_loading", "the model is still loading", self.settings.retry_after_s)
-        return kind
-
     def server_metadata(self) -> dict[str, Any]:
-        extensions = EXTENSIONS + (["classification"] if self.state.task == "classify" else [])
-        return {"name": "imgserve", "version": __version__, "extensions": extensions}
+        return {"name": "imgserve", "version": __version__, "extensions": EXTENSIONS}
 
     def metadata(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "versions": [VERSION],
-            "platform": PLATFORM,
-            "inputs": [spec.metadata() for spec in INPUTS],
-            "outputs": [spec.metadata() for spec in OUTPUTS[self.kind]],
+            "platform": self.platform,
+            "inputs": [_metadata(spec) for spec in self.api.inputs],
+            "outputs": [_metadata(spec) for spec in self.api.outputs],
         }
 
     def config(self) -> dict[str, Any]:
         """The part of Triton's model configuration that clients (perf_analyzer, image_client) read."""
         configured = self.settings.max_batch_size
         batch = self.state.limits["max_batch_size"] or (configured if isinstance(configured, int) else 1)
+        several = len(self.api.inputs) > 1  # then each input is optional: the API says which it needs
         return {
             "name": self.name,
-            "platform": PLATFORM,
+            "platform": self.platform,
             "max_batch_size": int(batch),
-            "input": [
-                INPUTS[0].config(format="FORMAT_NONE", optional=True),
-                INPUTS[1].config(format="FORMAT_NHWC", optional=True),
-            ],
-            "output": [spec.config() for spec in OUTPUTS[self.kind]],
+            "input": [_config(spec, optional=several, image=True) for spec in self.api.inputs],
+            "output": [_config(spec) for spec in self.api.outputs],
             "dynamic_batching": {"max_queue_delay_microseconds": int(self.settings.batch_timeout_ms * 1000)},
         }
 
     async def infer(
         self, request: InferRequest, deadline: float, started: float
     ) -> list[tuple[RequestedOutput, Tensor]]:
-        """Each requested output with its tensor for the request's images; ApiError for anything wrong."""
-        kind = self.kind
-        wanted = self._outputs(kind, request.outputs, request.binary_outputs)
-        images = _images(request.inputs)
+        """Each requested output with its tensor for the request's items; ApiError for anything wrong."""
+        specs = {spec.name: spec for spec in self.api.outputs}
+        wanted = _wanted(specs, request)
+        names = [output.name for output in request.outputs] if request.outputs is not None else None
+        calls = [
+            Request(
+                protocol="v2",
+                inputs=row,
+                outputs=names,
+                parameters=request.parameters,
+                max_image_pixels=self.settings.max_image_pixels,
+            )
+            for row in self._rows(request.inputs)
+        ]
         deadline = min(deadline, started + _timeout_s(request.parameters.get("timeout")))
-        finish = self._finisher(kind, {output.name for output in wanted}, request.parameters)
-        results = await self.inference.run(images, deadline, finish)
-        return [(output, self._tensor(kind, output, results)) for output in wanted]
+        steps = Steps(self.api.decode_request, lambda output, call: self._values(output, call, specs), _row_bytes)
+        answers = await self.inference.run(calls, deadline, steps)
+        return [(output, self._tensor(specs[output.name], output, answers)) for output in wanted]
 
-    def _outputs(self, kind: str, requested: list[RequestedOutput] | None, binary: bool) -> list[RequestedOutput]:
-        names = [spec.name for spec in OUTPUTS[kind]]
-        if requested is None:
-            return [RequestedOutput(name, binary) for name in DEFAULT_OUTPUTS.get(kind, names)]
-        for output in requested:
-            if output.name not in names:
-                raise bad(f"unknown output {output.name[:100]!r}; this model has {', '.join(names)}")
-            if output.classification is not None and kind != "classify":
-                raise bad(f"output {output.name!r}: classification applies only to a classifier's scores")
-        return requested
+    def _rows(self, inputs: list[Tensor]) -> list[dict[str, np.ndarray]]:
+        """The request's items: each declared input's row of the batch, checked against the declaration."""
+        declared = {spec.name: spec for spec in self.api.inputs}
+        if len(inputs) == 1 and inputs[0].name == "":  # a raw binary request: the body is the first input
+            inputs[0].name = next(iter(declared))
+        count = None
+        if len({tensor.name for tensor in inputs}) < len(inputs):
+            raise bad("an input is given twice")
+        for tensor in inputs:
+            spec = declared.get(tensor.name)
+            if spec is None:
+                given, names = repr(tensor.name[:100]), ", ".join(map(repr, declared))
+                raise bad(f"unknown input {given}; this model takes {names}")
+            _check_dims(spec, tensor)
+            if count not in (None, tensor.shape[0]):
+                raise bad("every input must carry the same number of items (the first dimension)")
+            count = tensor.shape[0]
+        return [{tensor.name: _row(tensor, index) for tensor in inputs} for index in range(count or 0)]
 
-    def _finisher(self, kind: str, names: set[str], parameters: dict[str, Any]) -> Callable[[Any, Geometry], Any]:
-        """What becomes of one image's result, in the front end's codec threads."""
-        if kind == "image":
-            fmt, quality = self._output_format(parameters)
+    def _values(self, output: Any, call: Request, specs: dict[str, TensorSpec]) -> dict[str, Any]:
+        """One item's answer as the declared outputs' values (the front end's encode step)."""
+        answer = self._encode(output, call)
+        if isinstance(answer, dict) and set(answer) <= set(specs) and answer:
+            return answer
+        if len(specs) == 1:  # one declared output: the whole answer is its value
+            return {next(iter(specs)): answer}
+        raise ApiError(500, "api_error", f"encode_response returned no dict of the declared outputs {sorted(specs)}")
 
-            def image(pixels: np.ndarray, geometry: Geometry) -> dict[str, Any]:
-                encoded = codec.encode_image(pixels, fmt, quality) if "output_image" in names else None
-                return {"output_image": encoded, "output_pixels": pixels}
+    def _tensor(self, spec: TensorSpec, output: RequestedOutput, answers: list[dict[str, Any]]) -> Tensor:
+        """The batch's tensor for one output: row i from item i's value."""
+        missing = [index for index, answer in enumerate(answers) if spec.name not in answer]
+        if missing:
+            raise ApiError(500, "api_error", f"encode_response gave no value for output {spec.name!r}")
+        values = [answer[spec.name] for answer in answers]
+        if output.classification is not None:
+            return self._classification(spec.name, output.classification, values)
+        if spec.datatype == "BYTES":
+            elements = [_elements(value) for value in values]
+            if len({len(row) for row in elements}) > 1:
+                raise bad(f"output {spec.name!r}: the items have different numbers of elements")
+            return Tensor(spec.name, "BYTES", [len(values), len(elements[0])], [e for row in elements for e in row])
+        arrays = [np.asarray(value, dtype=DTYPES[spec.datatype]) for value in values]
+        return Tensor(spec.name, spec.datatype, *_stacked(spec, arrays))
 
-            return image
-        if kind == "classify":
-            return lambda scores, geometry: self.renderer.probabilities(scores).astype(np.float32)
-        if kind == "segment":
-            return mask_on_original
-        threshold = _number(parameters, "score_threshold", 0.5, 0.0, 1.0)
-        return lambda found, geometry: detections_on_original(found, geometry, threshold)
-
-    def _tensor(self, kind: str, output: RequestedOutput, results: list[Any]) -> Tensor:
-        """The batch's tensor for one output."""
-        name, count = output.name, len(results)
-        if kind == "image" and name == "output_image":
-            return Tensor(name, "BYTES", [count, 1], [result[name] for result in results])
-        if kind == "image":
-            return _stacked(name, "UINT8", [result[name] for result in results])
-        if kind == "segment":
-            return _stacked(name, "UINT8", results)
-        if kind == "classify" and output.classification is not None:
-            k = min(output.classification, len(results[0]))  # k is clamped to the class count: shape = data
-            return Tensor(name, "BYTES", [count, k], self._top_k(results, k), True)
-        if kind == "classify":
-            return _stacked(name, "FP32", results)
-        if name == "count":
-            return Tensor(name, "INT32", [count, 1], np.array([[len(found)] for found in results], dtype=np.int32))
-        column, datatype, fill, tail = DETECTION_FIELDS[name]
-        most = max((len(found) for found in results), default=0)
-        array = np.full([count, most, *tail], fill, dtype=DTYPES[datatype])
-        for row, found in enumerate(results):
-            for index, detection in enumerate(found):
-                array[row, index] = detection[column]
-        return Tensor(name, datatype, list(array.shape), array)
-
-    def _output_format(self, parameters: dict[str, Any]) -> tuple[str, int]:
-        fmt = parameters.get("format", self.settings.output_format)
-        if fmt not in OUTPUT_FORMATS:
-            raise bad(f"parameter format must be one of {', '.join(OUTPUT_FORMATS)}")
-        return fmt, int(_number(parameters, "quality", self.settings.jpeg_quality, 1, 100))
-
-    def _top_k(self, results: list[np.ndarray], k: int) -> list[bytes]:
-        """Triton's classification strings "score:index[:label]", best first, k per image."""
-        strings = []
-        for scores in results:
-            for index in np.argsort(-scores, kind="stable")[:k]:
-                label = self.renderer.label(int(index))
-                text = f"{scores[index]:f}:{index}" + (f":{label}" if label is not None else "")
-                strings.append(text.encode())
-        return strings
+    def _classification(self, name: str, k: int, values: list[Any]) -> Tensor:
+        """Triton's classification strings "score:index[:label]", best first: k per item (at most the classes)."""
+        scores = [np.asarray(value, dtype=np.float64).reshape(-1) for value in values]
+        k = min(k, min(len(row) for row in scores))
+        labels, strings = self.api.labels, []
+        for row in scores:
+            for index in np.argsort(-row, kind="stable")[:k]:
+                label = f":{labels[index]}" if index < len(labels) else ""
+                strings.append(f"{row[index]:f}:{index}{label}".encode())
+        return Tensor(name, "BYTES", [len(values), k], strings, text=True)
 
 
-def _images(inputs: list[Tensor]) -> list[Image]:
-    """The images of the request's one input: encoded BYTES [N, 1] (or [N]), or UINT8 pixels [N, H, W, 3]."""
-    names = [spec.name for spec in INPUTS]
-    if len(inputs) != 1 or inputs[0].name not in names:
-        given = ", ".join(repr(tensor.name[:100]) for tensor in inputs)
-        raise bad(f"send exactly one input, 'image' (BYTES) or 'pixels' (UINT8); got {given}")
-    (tensor,) = inputs
-    if tensor.name == "image":
-        if tensor.datatype != "BYTES" or len(tensor.shape) not in (1, 2) or tensor.shape[1:] not in ([], [1]):
-            raise bad(f"input 'image' is BYTES [N, 1] (got {tensor.datatype[:16]} {tensor.shape})")
-        return list(tensor.data)
-    if tensor.datatype != "UINT8" or len(tensor.shape) != 4 or tensor.shape[3] != 3:
-        raise bad(f"input 'pixels' is UINT8 [N, H, W, 3] (got {tensor.datatype[:16]} {tensor.shape})")
-    return list(tensor.data)
+def _wanted(specs: dict[str, TensorSpec], request: InferRequest) -> list[RequestedOutput]:
+    """The outputs to answer: those the request names, else every declared output (the specification's default)."""
+    if request.outputs is None:
+        return [RequestedOutput(name, request.binary_outputs) for name in specs]
+    for output in request.outputs:
+        spec = specs.get(output.name)
+        if spec is None:
+            raise bad(f"unknown output {output.name[:100]!r}; this model has {', '.join(specs)}")
+        if output.classification is not None and spec.datatype == "BYTES":
+            raise bad(f"output {output.name!r}: classification applies to numeric outputs only")
+    return request.outputs
 
 
-def _stacked(name: str, datatype: str, arrays: list[np.ndarray]) -> Tensor:
+def _check_dims(spec: TensorSpec, tensor: Tensor) -> None:
+    """The tensor is [N, *dims] of the declared datatype (-1: any length; a BYTES [N] counts as [N, 1])."""
+    shape = tensor.shape[1:] if tensor.shape[1:] or spec.datatype != "BYTES" else [1]
+    fits = len(shape) == len(spec.dims) and all(d in (-1, s) for d, s in zip(spec.dims, shape, strict=True))
+    if tensor.datatype != spec.datatype or not tensor.shape or not fits:
+        want = f"{spec.datatype} {[-1, *spec.dims]}"
+        got = f"{tensor.datatype[:16]} {tensor.shape}"
+        raise bad(f"input {spec.name!r} is {want} (got {got})")
+
+
+def _row(tensor: Tensor, index: int) -> np.ndarray:
+    """Item `index` of a batched tensor: numbers as an array, BYTES as an object array of bytes."""
+    if isinstance(tensor.data, np.ndarray):
+        return tensor.data[index]
+    per_item = int(np.prod(tensor.shape[1:])) if len(tensor.shape) > 1 else 1
+    row = np.empty(per_item, dtype=object)
+    row[:] = tensor.data[index * per_item : (index + 1) * per_item]
+    return row.reshape(tensor.shape[1:] or [1])
+
+
+def _row_bytes(call: Request) -> int:
+    return sum(
+        sum(len(item) for item in value.reshape(-1)) if value.dtype == object else value.nbytes
+        for value in call.inputs.values()
+    )
+
+
+def _elements(value: Any) -> list[bytes]:
+    """A BYTES output's elements for one item: bytes or text as one element, a list of them as several, anything
+    else as its JSON."""
+    if isinstance(value, bytes | str):
+        return [value.encode() if isinstance(value, str) else value]
+    if isinstance(value, list | tuple) and all(isinstance(item, bytes | str) for item in value) and value:
+        return [item.encode() if isinstance(item, str) else item for item in value]
+    return [json_bytes(value)]
+
+
+def _stacked(spec: TensorSpec, arrays: list[np.ndarray]) -> tuple[list[int], np.ndarray]:
+    """The items' arrays as one [N, ...] array: padded with the spec's `pad` where their shapes differ."""
     shapes = {array.shape for array in arrays}
     if len(shapes) > 1:
-        raise bad(f"output {name!r} is one tensor: the images must share one size (got {len(shapes)} sizes)")
-    array = np.stack(arrays)
-    return Tensor(name, datatype, list(array.shape), array)
+        if spec.pad is None or len({len(shape) for shape in shapes}) > 1:
+            raise bad(f"output {spec.name!r} is one tensor: its items must share one shape (got {len(shapes)})")
+        largest = [max(sizes) for sizes in zip(*shapes, strict=True)]
+        padded = np.full([len(arrays), *largest], spec.pad, dtype=arrays[0].dtype)
+        for row, array in zip(padded, arrays, strict=True):
+            row[tuple(slice(0, size) for size in array.shape)] = array
+        return list(padded.shape), padded
+    stacked = np.stack(arrays)
+    return list(stacked.shape), stacked
 
 
-def _number(parameters: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
-    value = parameters.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
-        raise bad(f"parameter {name} must be a number from {low:g} to {high:g}")
-    return value
+def _metadata(spec: TensorSpec) -> dict[str, Any]:
+    return {"name": spec.name, "datatype": spec.datatype, "shape": [-1, *spec.dims]}
+
+
+def _config(spec: TensorSpec, optional: bool = False, image: bool = False) -> dict[str, Any]:
+    """A tensor in Triton's model configuration; an input says its image format (image_client reads it)."""
+    data_type = "TYPE_STRING" if spec.datatype == "BYTES" else f"TYPE_{spec.datatype}"
+    entry: dict[str, Any] = {"name": spec.name, "data_type": data_type, "dims": list(spec.dims)}
+    if image:
+        entry["format"] = "FORMAT_NHWC" if len(spec.dims) == 3 and spec.dims[2] in (1, 3) else "FORMAT_NONE"
+    return {**entry, "optional": True} if optional else entry
 
 
 def _timeout_s(value: Any) -> float:

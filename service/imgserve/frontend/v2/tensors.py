@@ -113,8 +113,8 @@ def parse_http(body: bytes, header_length: str | None, max_elements: int | None 
         header, binary = body, b""
     else:
         length = _header_length(header_length, len(body))
-        if length == 0:  # a raw binary request: the body is the one (image) input, batch 1
-            return InferRequest([Tensor("image", "BYTES", [1, 1], [_raw_element(body)])])
+        if length == 0:  # a raw binary request: the body is the model's first input, one item, answered binary
+            return InferRequest([Tensor("", "BYTES", [1, 1], [_raw_element(body)])], binary_outputs=True)
         header, binary = body[:length], body[length:]
     model = _header(header, max_elements)
     inputs, offset = [], 0

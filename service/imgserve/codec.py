@@ -1,4 +1,8 @@
-"""Bytes <-> image <-> tensor: strict decoding of untrusted uploads and encoding of the model's answers."""
+"""Bytes <-> image: strict decoding of untrusted uploads and encoding of answers, for every process and user API.
+
+Whatever the bytes, decoding answers pixels or an ApiError (400, 413, 415), with the CPU it may cost bounded before
+any decoding starts: the pixel count and a JPEG's scans are checked from the header.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,6 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from imgserve.errors import ApiError
-from imgserve.models.preprocess import Prepared, Preprocess
 
 # We check the pixel count ourselves (413), before Pillow decodes anything.
 Image.MAX_IMAGE_PIXELS = None
@@ -19,13 +22,11 @@ MAX_JPEG_SCANS = 100
 OUTPUT_TYPES = {"jpeg": "image/jpeg", "png": "image/png", "webp": "image/webp"}
 
 
-def decode_image(data: bytes, max_pixels: int, preprocess: Preprocess | None = None) -> Prepared:
-    """Untrusted image bytes -> uint8 HxWx3 RGB array, upright, first frame, alpha over white, 16-bit scaled,
-    resized/cropped for the model, with the geometry that maps the model's answer back to the upload.
+def open_image(data: bytes, max_pixels: int) -> Image.Image:
+    """Untrusted image bytes -> an RGB Pillow image: upright, first frame, alpha over white, 16-bit scaled.
 
-    Whatever the bytes, the answer is pixels or an ApiError (400, 413, 415): Pillow's plugins raise nearly every
-    exception type on crafted input, so any of them means a corrupt image. Only the first frame is decoded, and
-    its pixel count is checked (and JPEG scans counted) before decoding, so the CPU per request is bounded.
+    Pillow's plugins raise nearly every exception type on crafted input, so any of them means a corrupt image. Only
+    the first frame is decoded, and its pixel count is checked (and JPEG scans counted) before decoding.
     """
     if not data:
         raise ApiError(400, "empty_body", "the request carried no image bytes")
@@ -37,28 +38,37 @@ def decode_image(data: bytes, max_pixels: int, preprocess: Preprocess | None = N
         raise _corrupt(exc) from None
     if image.format not in ACCEPTED_FORMATS:
         raise ApiError(415, "unsupported_image_type", f"{image.format} images are not supported")
-    width, height = image.size
-    if width * height > max_pixels:
-        raise ApiError(413, "image_too_large", f"{width}x{height} is over the limit of {max_pixels} pixels")
+    check_size(*image.size, max_pixels)
     if image.format in ("JPEG", "MPO") and data.count(b"\xff\xda") > MAX_JPEG_SCANS:
         raise ApiError(400, "corrupt_image", f"the JPEG has more than {MAX_JPEG_SCANS} scans")
     try:
         image.load()
         ImageOps.exif_transpose(image, in_place=True)  # a copy would cost as much as a third of the decode
-        rgb = _to_rgb(image)
+        return _to_rgb(image)
     except Exception as exc:
         raise _corrupt(exc) from None
-    return (preprocess or Preprocess())(rgb)  # resize/crop as torchvision's weight transforms
 
 
-def prepare_pixels(pixels: np.ndarray, max_pixels: int, preprocess: Preprocess | None = None) -> Prepared:
-    """Already decoded uint8 HxWx3 RGB pixels (a v2 UINT8 tensor) -> the model's input, under the same pixel limit."""
+def decode_image(data: bytes, max_pixels: int) -> np.ndarray:
+    """Untrusted image bytes -> uint8 HxWx3 RGB pixels (`open_image`), read-only."""
+    return np.asarray(open_image(data, max_pixels))
+
+
+def from_pixels(pixels: np.ndarray, max_pixels: int) -> Image.Image:
+    """Already decoded uint8 HxWx3 RGB pixels (a v2 UINT8 tensor) -> a Pillow image, under the same pixel limit."""
+    if pixels.ndim != 3 or pixels.shape[2] != 3 or pixels.dtype != np.uint8:
+        raise ApiError(400, "bad_pixels", f"pixels are uint8 HxWx3 RGB (got {pixels.dtype} {list(pixels.shape)})")
     height, width = pixels.shape[:2]
+    check_size(width, height, max_pixels)
+    return Image.fromarray(np.ascontiguousarray(pixels))
+
+
+def check_size(width: int, height: int, max_pixels: int) -> None:
+    """413 over the pixel limit, 400 for an image without pixels."""
     if width * height > max_pixels:
         raise ApiError(413, "image_too_large", f"{width}x{height} is over the limit of {max_pixels} pixels")
     if width == 0 or height == 0:
         raise ApiError(400, "empty_image", f"a {width}x{height} image has no pixels")
-    return (preprocess or Preprocess())(Image.fromarray(np.ascontiguousarray(pixels)))
 
 
 def _corrupt(exc: Exception) -> ApiError:

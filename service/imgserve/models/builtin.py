@@ -1,0 +1,139 @@
+"""The built-in API: a model file (or the built-in denoiser) served as an ImageAPI, with the same public hooks as a
+user's own API. What `--model` and its flags serve.
+
+decode_request (front end): the upload, decoded strictly and resized/cropped as torchvision's weight transforms do
+(models/preprocess.py), its geometry kept in the request's context. batch and predict (worker): the images in one
+reused uint8 buffer, the model on the device (models/running.py), each image's result taken from the output by the
+output kind decided at warm-up (models/outputs.py). encode_response (front end): the answer for that kind, over
+HTTP or the Open Inference Protocol (models/render.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from starlette.responses import Response
+
+from imgserve.api import ImageAPI, Request, TensorSpec
+from imgserve.config import Settings
+from imgserve.errors import ApiError
+from imgserve.models import outputs
+from imgserve.models.loader import ModelLoadError
+from imgserve.models.preprocess import Geometry, Preprocess
+from imgserve.models.render import TENSORS, PredictParams, Renderer
+from imgserve.models.running import ModelRunner
+
+PROBE_SIDE = 256  # the warm-up image's side when the model has no fixed --input-size
+
+
+class KindRecord(Protocol):
+    """Where the workers publish the output kind they decided at warm-up, for the front ends to read."""
+
+    @property
+    def task(self) -> str | None: ...
+
+    def set_task(self, kind: str) -> None: ...
+
+
+class LocalKinds:
+    """A kind record within one process: for the GPU probe's throwaway API, tests and the in-process limit."""
+
+    task: str | None = None
+
+    def set_task(self, kind: str) -> None:
+        self.task = kind
+
+
+@dataclass(frozen=True)
+class Batch:
+    """A chunk as the model takes it: the uint8 NxHxWx3 buffer, and each image's height and width in it."""
+
+    pixels: torch.Tensor
+    sizes: list[tuple[int, int]]
+
+
+class ModelAPI(ImageAPI):
+    """A model file and the flags that describe it (--preprocess, --task, --labels, --precision, ...)."""
+
+    inputs = (TensorSpec("image", "BYTES", (1,)), TensorSpec("pixels", "UINT8", (-1, -1, 3)))
+
+    def __init__(self, settings: Settings, kinds: KindRecord, pad: bool) -> None:
+        super().__init__(max_batch_size=settings.max_batch_size, batch_timeout=settings.batch_timeout_ms / 1000)
+        self.settings, self.kinds = settings, kinds
+        self.model, self.model_factory = settings.model, settings.model_factory  # type: ignore[misc]
+        self.name = settings.served_name  # type: ignore[misc]
+        self.labels = outputs.read_labels(settings.labels)  # type: ignore[misc]
+        self.group_by_shape = not pad  # type: ignore[misc]  # on a GPU, images of close sizes are padded together
+        self.preprocess = Preprocess.from_settings(settings)
+        self.renderer = Renderer(settings, list(self.labels))
+        self.probe_side = settings.input_size or PROBE_SIDE
+
+    @property
+    def outputs(self) -> tuple[TensorSpec, ...]:  # type: ignore[override]  # by the kind decided at warm-up
+        """The outputs of the kind the workers decided at warm-up (503 before the model is loaded)."""
+        return TENSORS[self.kind]
+
+    @property
+    def kind(self) -> str:
+        kind = self.kinds.task
+        if kind is None:
+            raise ApiError(503, "model_loading", "the model is still loading", self.settings.retry_after_s)
+        return kind
+
+    # In each inference worker.
+    def setup(self, device: str) -> None:
+        """Load the model (its weights shared among the device's workers), warm it up on a probe image, and decide
+        from that output what the model answers (image, classify, segment or detect); the labels must name every
+        class."""
+        model = self.load_model(device)
+        self.runner = ModelRunner.for_settings(model, torch.device(device), self.settings)
+        side = self.probe_side
+        probe = torch.randint(0, 256, (1, side, side, 3), dtype=torch.uint8)
+        try:
+            warmup = self.runner.first_forward(probe)
+        except Exception as exc:
+            failure = f"the model failed warm-up on {device} with a {side}x{side} image: {type(exc).__name__}: {exc}"
+            raise ModelLoadError(failure) from None
+        self.worker_kind = outputs.decide(warmup, self.settings.task)
+        outputs.check_labels(list(self.labels), outputs.class_count(self.worker_kind, warmup), self.settings.labels)
+        self.kinds.set_task(self.worker_kind)
+
+    def batch(self, inputs: list[Any]) -> Batch:
+        return Batch(self.runner.host_batch(inputs), [(image.shape[0], image.shape[1]) for image in inputs])
+
+    def predict(self, batch: Batch) -> list[Any]:
+        """One result per image, taken from the output on the device: pixels, a mask, scores or detections."""
+        output = self.runner.forward(batch.pixels)
+        padded = (batch.pixels.shape[1], batch.pixels.shape[2])
+        with self.runner.conversion_threads(batch.pixels):
+            return outputs.per_image(self.worker_kind, output, batch.sizes, padded)
+
+    def unbatch(self, output: list[Any]) -> list[Any]:
+        return output
+
+    def example_request(self) -> Request:
+        rng = np.random.default_rng(0)
+        return Request.for_image(rng.integers(0, 256, (self.probe_side, self.probe_side, 3), dtype=np.uint8))
+
+    def release_memory(self) -> None:
+        self.runner.release()
+
+    # In the front ends.
+    def decode_request(self, request: Request) -> np.ndarray:
+        """The upload as the model's uint8 HxWx3 input; the query parameters and how the input was cut from the
+        upload stay in the request's context for the answer."""
+        if request.protocol == "http":
+            request.context["params"] = PredictParams.parse(request.query)
+        pixels, request.context["geometry"] = self.preprocess(request.open_image())
+        return pixels
+
+    def encode_response(self, output: Any, request: Request) -> Response | dict[str, Any]:
+        geometry: Geometry = request.context["geometry"]
+        if request.protocol == "v2":
+            wanted = set(request.outputs) if request.outputs is not None else {spec.name for spec in self.outputs}
+            return self.renderer.tensors(self.kind, output, geometry, request.parameters, wanted)
+        params = request.context["params"]
+        return self.renderer(self.kind, output, geometry, params, request.headers.get("accept", ""))
