@@ -81,3 +81,15 @@ class TinyDetector(_Toy):
         boxes = torch.tensor([[0.0, 0.0, width / 2, height / 2], [0.0, 0.0, 1.0, 1.0]]) * self.gain
         found = {"boxes": boxes, "labels": torch.tensor([1, 2]), "scores": torch.tensor([0.9, 0.1])}
         return [found] * x.shape[0]
+
+
+class Recording(nn.Module):
+    """An identity model that keeps a copy of every input it is given (for tests that look at what a model got)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[torch.Tensor] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(x.clone())
+        return x

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from toy_models import Recording
 
 from imgserve.config import Settings
 from imgserve.errors import ApiError
@@ -85,20 +86,8 @@ def test_padded_batches_match_away_from_the_padded_edges() -> None:
         close(output[:-margin, :-margin], alone[:-margin, :-margin])
 
 
-class Records(torch.nn.Module):
-    """An identity model that keeps every input it was given."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[torch.Tensor] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.append(x.clone())
-        return x
-
-
 def test_a_padded_chunk_repeats_each_image_edge_into_the_padding() -> None:
-    model = Records()
+    model = Recording()
     small = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
     large = np.zeros((4, 5, 3), dtype=np.uint8)
     outputs = built_in(pad=True, model=model).predict([small, large])

@@ -6,34 +6,14 @@ import pytest
 import torch
 from PIL import Image
 from reference import IMAGENET_MEAN, IMAGENET_STD, photo, to_tensor, torchvision_by_hand
+from toy_models import Recording
 
 from imgserve.api import Request
 from imgserve.codec import open_image
 from imgserve.config import Settings
-from imgserve.models.builtin import ModelAPI
+from imgserve.models.builtin import LocalKinds, ModelAPI
 from imgserve.models.preprocess import Geometry, Prepared, Preprocess
 from imgserve.testing import InProcess
-
-
-class Kinds:
-    """Where the API records the output kind it decided (the server's shared state does it in a server)."""
-
-    task: str | None = None
-
-    def set_task(self, kind: str) -> None:
-        self.task = kind
-
-
-class Recording(torch.nn.Module):
-    """An identity model that keeps a copy of every input it is given."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[torch.Tensor] = []
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.seen.append(x.clone())
-        return x
 
 
 def prepare(data: bytes, preprocess: Preprocess) -> Prepared:
@@ -46,7 +26,7 @@ def test_imagenet_preset_is_resize_256_crop_224_normalize(width: int, height: in
     settings = Settings(preprocess="imagenet")
     data = photo(width, height)
     model = Recording()
-    api = ModelAPI(settings, Kinds(), pad=False)
+    api = ModelAPI(settings, LocalKinds(), pad=False)
     api.model_loader = lambda device: model
     worker = InProcess(api).setup()
     # What the model is given: the built-in API's decode in the front end, then its batch in the worker.
