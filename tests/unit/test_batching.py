@@ -12,6 +12,7 @@ from imgserve.config import Settings
 from imgserve.errors import ApiError
 from imgserve.models.builtin import LocalKinds, ModelAPI
 from imgserve.models.denoiser import build_denoiser
+from imgserve.models.loader import ModelLoadError
 from imgserve.models.outputs import to_pixels
 from imgserve.testing import InProcess
 from imgserve.worker.batching import MemoryPlan, Shape, plan_chunks
@@ -246,12 +247,17 @@ def test_a_user_api_whose_predict_returns_the_wrong_count_answers_500_for_its_ba
     assert all(isinstance(o, ApiError) and o.status == 500 and "3" in o.message for o in outputs)
 
 
-def test_out_of_memory_on_a_single_item_is_a_503_for_it() -> None:
-    def always(x: torch.Tensor) -> torch.Tensor:
-        raise torch.OutOfMemoryError("simulated")
+def test_out_of_memory_on_a_single_item_is_a_503_for_it_and_at_warm_up_a_clear_failure() -> None:
+    class OutOfMemoryWhenTall(torch.nn.Module):
+        """SIMULATED out-of-memory on the CPU for any input 64 rows high, alone or not."""
 
-    class Always(torch.nn.Module):
-        forward = staticmethod(always)
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[-2] == 64:
+                raise torch.OutOfMemoryError("simulated")
+            return x
 
-    with pytest.raises(torch.OutOfMemoryError):  # the warm-up itself runs out of memory
-        built_in(pad=False, model=Always())
+    outputs = built_in(pad=False, model=OutOfMemoryWhenTall()).predict(images())
+    assert [i for i, o in enumerate(outputs) if isinstance(o, ApiError)] == [3]
+    assert (outputs[3].status, outputs[3].code, outputs[3].retry_after) == (503, "out_of_memory", 1)
+    with pytest.raises(ModelLoadError, match="failed warm-up on cpu with a 64x64 image: OutOfMemoryError"):
+        built_in(pad=False, model=OutOfMemoryWhenTall(), input_size=64)
