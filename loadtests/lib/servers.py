@@ -29,12 +29,13 @@ def running_server(
     ready_path: str,
     env: dict[str, str] | None = None,
     ready_timeout_s: float = 180,
+    source: Path = SOURCE,
 ) -> Iterator[RunningServer]:
     """Run `command` (which must listen on 127.0.0.1:`port`) until the block ends; yields once it is ready. The
-    server imports this checkout's imgserve, whichever one is installed."""
+    server imports the imgserve in `source` (this checkout's by default), whichever one is installed."""
     environment = {**os.environ, **(env or {})}
     environment.pop("PROMETHEUS_MULTIPROC_DIR", None)  # each imgserve makes its own
-    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE), environment.get("PYTHONPATH")]))
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), environment.get("PYTHONPATH")]))
     server = start(command, port, log_path, environment)
     try:
         wait_ready(server, ready_timeout_s, ready_path)

@@ -1,0 +1,157 @@
+"""imgserve against imgserve: the same cells served in turns by different source trees or settings, in one run.
+
+`python -m loadtests.sidebyside [--before DIR] [--rounds 3] [--seconds 10] --out loadtests/results/sidebyside.md`
+
+What a change did to speed is read side by side, never against a figure measured earlier on a machine whose speed
+drifts: each round starts a fresh server of every contender in turn and runs every cell on it.
+- With `--before DIR` (a checkout of the code before a change, e.g. `git worktree add /tmp/before <commit>`), the
+  built-in denoiser of that tree against this one's: one user (c=1) and 64 users on the benchmark's images.
+- Always, in this tree: a near-free model (x.clamp(0, 1)) served as a model file by the built-in API, against the
+  same work written as a user's own ImageAPI (loadtests/lib/toy_apis.py), 128x128 JPEGs at 64 users; and the CPU
+  each process of the server used per answer, which shows where decoding ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import shlex
+import statistics
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from imgserve.testing import free_port, serve_command
+from loadtests.lib.closed_loop import run_closed_loop
+from loadtests.lib.images import SampleImage, sample_images, square_jpegs
+from loadtests.lib.report import machine, publish
+from loadtests.lib.servers import SOURCE, CpuWindow, running_server
+from loadtests.overhead import write_clamp_model
+
+REPO = SOURCE.parent
+
+
+@dataclass(frozen=True)
+class Contender:
+    """A server: the source tree it runs and its settings."""
+
+    name: str
+    source: Path
+    settings: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A load: images and users, against some of the contenders."""
+
+    name: str
+    images: tuple[SampleImage, ...]
+    users: int
+    contenders: tuple[str, ...]
+
+
+@dataclass
+class Results:
+    """Answers/s, p50 and p99 (ms) and server CPU ms per answer, per (cell, contender), one value per round."""
+
+    rps: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    p50: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    p99: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    cpu_ms: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+
+    def add(self, key: tuple[str, str], rps: float, p50: float, p99: float, cpu_ms: float) -> None:
+        for table, value in ((self.rps, rps), (self.p50, p50), (self.p99, p99), (self.cpu_ms, cpu_ms)):
+            table.setdefault(key, []).append(value)
+
+
+def contenders(before: Path | None, work: Path) -> list[Contender]:
+    clamp = str(write_clamp_model(work / "clamp.ts"))
+    found = [
+        Contender("denoiser", SOURCE, {}),
+        Contender("near-free model file", SOURCE, {"model": clamp}),
+        Contender("near-free ImageAPI", SOURCE, {"api": "loadtests.lib.toy_apis:NearFree"}),
+    ]
+    if before is not None:
+        found.append(Contender("denoiser before", before / "service", {}))
+    return found
+
+
+def cells(before: Path | None) -> list[Cell]:
+    denoisers = ("denoiser", "denoiser before") if before is not None else ("denoiser",)
+    near_free = ("near-free model file", "near-free ImageAPI")
+    return [
+        Cell("denoiser, bench images, c=1", sample_images(), 1, denoisers),
+        Cell("denoiser, bench images, c=64", sample_images(), 64, denoisers),
+        Cell("near-free, 128x128, c=64", square_jpegs(128), 64, near_free),
+    ]
+
+
+def run_round(contender: Contender, plan: list[Cell], seconds: float, work: Path, results: Results) -> None:
+    """A fresh server of `contender`, every cell of the plan it is in."""
+    port = free_port()
+    env = {f"IMGSERVE_{key.upper()}": value for key, value in contender.settings.items()}
+    env["PYTHONPATH"] = str(REPO)  # loadtests.lib.toy_apis for the user API
+    log = work / f"{contender.name.replace(' ', '-')}-{port}.log"
+    with running_server(serve_command(port), port, log, "/health/ready", env, source=contender.source) as server:
+        for cell in plan:
+            if contender.name not in cell.contenders:
+                continue
+            warmup = 2.0
+            with CpuWindow(server, warmup, seconds) as window:
+                result = run_closed_loop(f"{server.url}/predict", cell.users, seconds, warmup, images=cell.images)
+            if result.failed:
+                raise RuntimeError(f"{contender.name}, {cell.name}: {result.errors()}")
+            cpu_ms = 1000 * window.server_cores * seconds / max(len(result.answered), 1)
+            p50, p99 = result.latency_ms(0.5) or 0.0, result.latency_ms(0.99) or 0.0
+            results.add((cell.name, contender.name), result.rps, p50, p99, cpu_ms)
+
+
+def report(results: Results, plan: list[Cell]) -> str:
+    lines = ["| cell | contender | answers/s (each round) | median /s | p50 ms | p99 ms | server CPU ms/answer |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for cell in plan:
+        for name in cell.contenders:
+            key = (cell.name, name)
+            rounds_text = ", ".join(f"{value:.1f}" for value in results.rps[key])
+            medians = [statistics.median(table[key]) for table in (results.rps, results.p50, results.p99)]
+            cpu = statistics.median(results.cpu_ms[key])
+            lines.append(
+                f"| {cell.name} | {name} | {rounds_text} | {medians[0]:.1f} | {medians[1]:.1f} | "
+                f"{medians[2]:.1f} | {cpu:.2f} |"
+            )
+        if len(cell.contenders) == 2:
+            first, second = (statistics.median(results.rps[(cell.name, name)]) for name in cell.contenders)
+            lines.append(f"| | {cell.contenders[1]} / {cell.contenders[0]} | | {second / first:.3f}x | | | |")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--before", type=Path, help="a checkout of the code before a change (its denoiser cells)")
+    parser.add_argument("--rounds", type=int, default=3, help="fresh servers of every contender, in turns")
+    parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per cell")
+    parser.add_argument("--out", type=Path, help="write the report here too")
+    args = parser.parse_args(argv)
+    plan = cells(args.before)
+    results = Results()
+    with tempfile.TemporaryDirectory() as directory:
+        work = Path(directory)
+        servers = contenders(args.before, work)
+        for _ in range(args.rounds):
+            for contender in servers:
+                run_round(contender, plan, args.seconds, work, results)
+    command = shlex.join(["python", "-m", "loadtests.sidebyside", *(argv or sys.argv[1:])])
+    text = (
+        f"# Side by side ({datetime.date.today()})\n\n`{command}` on {machine()}, {args.rounds} rounds of "
+        f"{args.seconds:.0f} s per cell.\n\n{report(results, plan)}\n"
+    )
+    if args.out is None:
+        print(text)
+        return 0
+    return publish(text, args.out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
