@@ -589,3 +589,20 @@ def test_grpc_port_on_the_service_only_when_on(name: str, port: int) -> None:
     else:
         assert "grpc" not in service_ports and "grpc" not in container_ports and "grpc" not in policy_ports
     assert not objects(name, "ServingRuntime") and not objects(name, "InferenceService")
+
+
+def test_the_api_value_serves_a_users_own_api_and_the_schema_checks_its_form() -> None:
+    """`api` becomes IMGSERVE_API in the Deployment and the KServe runtime; a value that is not module:Class is
+    refused by the schema before anything is rendered."""
+    api = "examples.fields:FieldsAPI"
+    extra = ["--set", f"api={api}", "--set", "kserve.servingRuntime.enabled=true"]
+    rendered = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *values_args("defaults"), *extra)
+    docs = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc]
+    (deployment,) = [doc for doc in docs if doc["kind"] == "Deployment"]
+    (container,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "server"]
+    assert env_of(container)["IMGSERVE_API"] == api
+    (runtime,) = [doc for doc in docs if doc["kind"] == "ServingRuntime"]
+    assert env_of(runtime["spec"]["containers"][0])["IMGSERVE_API"] == api
+    assert "IMGSERVE_API" not in env_of(server_container("defaults"))
+    refused = helm("template", RELEASE, str(CHART), *values_args("defaults"), "--set", "api=not a class", check=False)
+    assert refused.returncode != 0 and "/api" in refused.stderr, refused.stderr

@@ -112,6 +112,9 @@ YAML map from setting name (upper case) to its string value. */}}
 {{- if .Values.modelName }}
 {{- $_ := set $env "MODEL_NAME" .Values.modelName }}
 {{- end }}
+{{- if .Values.api }}
+{{- $_ := set $env "API" .Values.api }}
+{{- end }}
 {{- toYaml $env }}
 {{- end }}
 
