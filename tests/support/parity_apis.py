@@ -1,0 +1,52 @@
+"""Plain LitServe APIs that the parity test serves with LitServe and with imgserve side by side (each is importable
+by both servers as `parity_apis:<name>`). The module has no `from __future__ import annotations`: both servers read
+the class that `decode_request` annotates its request with, as LitServe's users write it."""
+
+import litserve as ls
+from fastapi import HTTPException
+from litserve.test_examples.simple_example import SimpleBatchedAPI
+from pydantic import BaseModel, Field
+
+
+class Item(BaseModel):
+    """The body ValidatedLitAPI's decode_request is annotated with: FastAPI validates it (422 when it is not)."""
+
+    input: float = Field(ge=-1000)
+
+
+class ValidatedLitAPI(ls.LitAPI):
+    """A pydantic-typed request, and an HTTPException raised in decode_request (input > 100) and in predict
+    (negative input)."""
+
+    def decode_request(self, request: Item) -> float:
+        if request.input > 100:
+            raise HTTPException(status_code=413, detail="input is over 100")
+        return request.input
+
+    def predict(self, x: float) -> float:
+        if x < 0:
+            raise HTTPException(status_code=400, detail="input must not be negative")
+        return x * 2
+
+    def encode_response(self, output: float) -> dict:
+        return {"output": output}
+
+
+class Empty(BaseModel):
+    """A body with no fields."""
+
+
+class DeviceLitAPI(ls.LitAPI):
+    """Answers the device LitServe gives the API (`self.device`, set once setup has run)."""
+
+    def decode_request(self, request: Empty):
+        return request
+
+    def predict(self, x):
+        return {"device": str(self.device)}
+
+    def encode_response(self, output):
+        return output
+
+
+batched = SimpleBatchedAPI(max_batch_size=4, batch_timeout=0.05)
