@@ -67,11 +67,13 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(**{k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None})
 
 
-def serve(api: LitAPI | None = None, **settings: Any) -> int:
+def serve(api: LitAPI | str | None = None, **settings: Any) -> int:
     """Run the server until SIGTERM or Ctrl-C, as `imgserve serve` does: on `api` (an ImageAPI or a plain LitAPI
-    instance; None: --api's, else the built-in API over --model), with `settings` as keyword arguments over the
-    IMGSERVE_<NAME> variables and the defaults (docs/settings.md). Returns the exit code: 0 after a clean drain, 2
-    for anything the user got wrong (printed in one line)."""
+    instance, or "module:Class" as --api names one; None: --api's, else the built-in API over --model), with
+    `settings` as keyword arguments over the IMGSERVE_<NAME> variables and the defaults (docs/settings.md). Returns
+    the exit code: 0 after a clean drain, 2 for anything the user got wrong (printed in one line)."""
+    if isinstance(api, str):  # the --api setting, which the command line passes by this name
+        settings["api"], api = api, None
     try:
         resolved = Settings(**settings)
     except (ValidationError, SettingsError) as error:
