@@ -245,8 +245,12 @@ def build_server(settings: Settings, directory: ServerDirectory, keys: Keys, api
     settings = with_batching(settings, api)
     device_type = resolve_device(settings.device)
     devices = torch.cuda.device_count() if device_type == "cuda" else 1
-    model = settings.model if api is None else getattr(api, "model", None)
-    weights = load_weights(model, settings, device_type, devices, directory.weights)
+    source: tuple[str | None, str | None]
+    if api is None:
+        source = (settings.model, settings.model_factory)
+    else:  # the API's class attributes, which ImageAPI.load_model builds its module from
+        source = (getattr(api, "model", None), getattr(api, "model_factory", None))
+    weights = load_weights(*source, settings, device_type, devices, directory.weights)
     cuda = device_type == "cuda"
     probe = None
     if cuda and settings.workers_per_device == "auto" and (api is None or isinstance(api, ImageAPI)):

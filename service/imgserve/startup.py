@@ -66,13 +66,12 @@ def load_api(spec: str) -> ls.LitAPI:
 
 
 def load_weights(
-    model: str | None, settings: Settings, device_type: str, devices: int, directory: Path
+    model: str | None, factory: str | None, settings: Settings, device_type: str, devices: int, directory: Path
 ) -> SharedWeights:
-    """The API's model file loaded once, here in the main process, its weights shared with the workers of each
-    device; none when the API loads its own model in `setup`."""
+    """The API's model file (built by `factory`, for weights-only files) loaded once, here in the main process, its
+    weights shared with the workers of each device; none when the API loads its own model in `setup`."""
     if model is None:
         return SharedWeights(0, reason="the API loads its own model in setup")
-    factory = settings.model_factory if model == settings.model else None
     try:
         loaded = load_model(model, factory, settings.trust_pickle)
     except ModelLoadError:
