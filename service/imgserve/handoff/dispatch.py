@@ -148,6 +148,8 @@ class Dispatcher:
         if status == LitAPIStatus.ERROR or output is None:
             raise ApiError(500, "internal_error", "the inference worker failed on this batch")
         if isinstance(output, ApiError):
+            if output.code == "deadline":  # the worker dropped it unrun before this front end's timer said so
+                metrics.REJECTED.labels("deadline").inc()
             raise output
         return output
 
