@@ -10,6 +10,7 @@ close enough that padding wastes at most MAX_PAD_WASTE, and any items otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
 from collections.abc import Callable, Sequence
@@ -19,6 +20,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from imgserve import heap
 from imgserve.errors import ApiError, fault, from_exception
 from imgserve.pod import AUTO_BATCH_CAP, available_ram
 
@@ -188,9 +190,9 @@ class BatchRunner:
             peak = torch.cuda.max_memory_allocated(self.device) - base
             free, _ = torch.cuda.mem_get_info(self.device)
         else:
-            base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            base = _restart_peak_rss()
             self._warm_up(value)
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+            peak = _peak_rss() - base
             free = available_ram()
         floor = 2 * elements * 4  # a batch holds at least its input and output as float32
         usable = int(memory_fraction * free)
@@ -202,3 +204,23 @@ class BatchRunner:
         outputs = self.hooks.run([value])
         if len(outputs) != 1:
             raise ValueError(f"predict returned {len(outputs)} outputs for a batch of 1 (unbatch must give one each)")
+
+
+def _restart_peak_rss() -> int:
+    """Give the heap's free memory back and start this process's peak RSS over from what it holds now (Linux 4.0+:
+    /proc/self/clear_refs); returns that. A warm-up's peak is then measured from here, not hidden in freed memory
+    the heap would reuse, nor under an earlier, higher peak: imports, a model load, or in a spawned worker its
+    parent's, which getrusage's ru_maxrss keeps. Where the peak cannot be restarted it reads less than was used."""
+    heap.trim()
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+    return _peak_rss()
+
+
+def _peak_rss() -> int:
+    """This process's peak resident bytes (VmHWM); getrusage's ru_maxrss where /proc is not there."""
+    with contextlib.suppress(OSError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
