@@ -228,7 +228,8 @@ def serve(settings: Settings, directory: ServerDirectory, api: ls.LitAPI | None 
     except (ModelLoadError, KeyProblem) as exc:
         log.error("imgserve: %s", exc)
         return 2
-    if settings.grpc_port and not port_free(settings.host, settings.grpc_port):
+    serves_grpc = settings.grpc_port and (api is None or isinstance(api, ImageAPI))
+    if serves_grpc and not port_free(settings.host, settings.grpc_port):
         log.error(
             "imgserve: --grpc-port %d is already in use on %s (0 turns gRPC off)", settings.grpc_port, settings.host
         )
@@ -243,6 +244,9 @@ def serve(settings: Settings, directory: ServerDirectory, api: ls.LitAPI | None 
 def build_server(settings: Settings, directory: ServerDirectory, keys: Keys, api: ls.LitAPI | None) -> ImageServer:
     """Load the weights once, plan the pod on this machine and build it around `api` (None: the built-in API)."""
     settings = with_batching(settings, api)
+    if api is not None and not isinstance(api, ImageAPI) and settings.grpc_port:
+        log.info("a plain LitAPI has no Open Inference Protocol routes: gRPC is off")
+        settings = settings.model_copy(update={"grpc_port": 0})
     device_type = resolve_device(settings.device)
     devices = torch.cuda.device_count() if device_type == "cuda" else 1
     source: tuple[str | None, str | None]

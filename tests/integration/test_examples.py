@@ -21,13 +21,6 @@ from serving import Server, image_bytes, running_server
 from imgserve import Request
 from imgserve.testing import InProcess
 
-UNTYPED_REQUEST_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="service bug: frontend/litserve_route.py LitServeRoute.register gives the endpoint two parameters "
-    "annotated with Starlette's Request ('request' and 'call') when decode_request has no pydantic annotation; "
-    "FastAPI hands the Request to one of them only, so every call answers 500",
-)
-
 
 def serve_example(factory: pytest.TempPathFactory, api: str, **settings: object) -> Iterator[Server]:
     with running_server(factory.mktemp("logs"), api=api, **settings) as server:
@@ -230,14 +223,12 @@ def test_bad_fields_are_422_and_the_server_stays_healthy(
 # Plain LitServe APIs, served unchanged
 
 
-@UNTYPED_REQUEST_BUG
 def test_the_plain_litserve_api(tmp_path: Path) -> None:
     with running_server(tmp_path, api="examples.litserve_api:InferencePipeline") as server:
         response = predict(server, json={"input": 4.0})
     assert (response.status_code, response.json()) == (200, {"output": 80.0})
 
 
-@UNTYPED_REQUEST_BUG
 def test_the_plain_litserve_image_api(tmp_path: Path) -> None:
     data = image_bytes(90, 60, seed=7)
     with running_server(tmp_path, api="examples.litserve_api:GrayscaleLitAPI") as server:

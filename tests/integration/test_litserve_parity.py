@@ -20,7 +20,6 @@ from typing import Any
 
 import httpx
 import numpy as np
-import pytest
 from PIL import Image
 from serving import REPO, SUPPORT, image_bytes, start_server, stop_server, wait_ready, wait_until
 
@@ -38,13 +37,6 @@ server.run(host="127.0.0.1", port=int(sys.argv[2]), num_api_servers=1, generate_
 """
 SIMPLE = "litserve.test_examples.simple_example"
 JSON_TYPE = "application/json"
-UNTYPED_REQUEST_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="service bug: frontend/litserve_route.py LitServeRoute.register gives the endpoint two parameters "
-    "annotated with Starlette's Request ('request' and 'call') when decode_request has no pydantic annotation; "
-    "FastAPI hands the Request to one of them only, so every call answers 500 (TypeError: endpoint() missing 1 "
-    "required positional argument: 'request')",
-)
 
 
 @contextlib.contextmanager
@@ -87,7 +79,6 @@ def same_failures(urls: tuple[str, str], requests: list[dict[str, Any]]) -> None
             assert (status, media, list(body)) == (500, JSON_TYPE, ["detail"]), f"{url}: {request}"
 
 
-@UNTYPED_REQUEST_BUG
 def test_litserves_simple_example(tmp_path: Path) -> None:
     with side_by_side(f"{SIMPLE}:SimpleLitAPI", tmp_path) as urls:
         answers = same_answers(urls, [{"json": {"input": value}} for value in (4.0, 3, -2.5)])
@@ -95,7 +86,6 @@ def test_litserves_simple_example(tmp_path: Path) -> None:
     assert [body for *_, body in answers] == [{"output": 16.0}, {"output": 9}, {"output": 6.25}]
 
 
-@UNTYPED_REQUEST_BUG
 def test_litserves_batched_example_under_concurrent_requests(tmp_path: Path) -> None:
     """SimpleBatchedAPI with max_batch_size 4: batched by LitServe's default batch (numpy arrays stacked) and
     unbatch, sixteen concurrent requests each get their own answer."""
@@ -106,21 +96,18 @@ def test_litserves_batched_example_under_concurrent_requests(tmp_path: Path) -> 
             assert answers == [(200, JSON_TYPE, {"output": float(value) ** 2}) for value in range(16)], url
 
 
-@UNTYPED_REQUEST_BUG
 def test_litserves_torch_example(tmp_path: Path) -> None:
     with side_by_side(f"{SIMPLE}:SimpleTorchAPI", tmp_path) as urls:
         answers = same_answers(urls, [{"json": {"input": value}} for value in (0.0, 3.0, -1.5)])
     assert [body for *_, body in answers] == [{"output": 1.0}, {"output": 7.0}, {"output": -2.0}]
 
 
-@UNTYPED_REQUEST_BUG
 def test_the_litserve_example_as_litserves_docs_write_it(tmp_path: Path) -> None:
     with side_by_side("examples.litserve_api:InferencePipeline", tmp_path) as urls:
         answers = same_answers(urls, [{"json": {"input": value}} for value in (4.0, 2, 0.5)])
     assert answers[0] == (200, JSON_TYPE, {"output": 80.0})
 
 
-@UNTYPED_REQUEST_BUG
 def test_an_image_upload_answered_with_a_starlette_response(tmp_path: Path) -> None:
     """The multipart file is read with request["file"].file.read(); the PNG the Response carries is the same bytes
     from both servers; an HTTPException in decode_request answers alike, a missing field 500 from both."""
@@ -159,23 +146,11 @@ def test_a_pydantic_request_and_http_exceptions_in_hooks(tmp_path: Path) -> None
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="service bug: imgserve never sets a plain LitAPI's `device` (worker/api.py WorkerAPI.setup calls "
-    "api.setup(device) but not `api.device = device`, which LitServe's loops.py sets after setup), so "
-    "SimpleTorchAPI's torch.tensor(..., device=self.device) lands on the CPU while its model is on the GPU",
-)
 def test_the_api_knows_its_device(tmp_path: Path) -> None:
     with side_by_side("parity_apis:DeviceLitAPI", tmp_path) as urls:
         same_answers(urls, [{"json": {}}])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="service bug: a plain LitAPI with gRPC on (the default --grpc-port 8001) is never ready: "
-    "frontend/routes.py not_ready_reason waits for state.grpc_serving, but server.py serves no gRPC for a plain "
-    "LitAPI (grpc_servicer None), so /health/ready stays 503 'gRPC starting'",
-)
 def test_a_plain_litapi_is_ready_with_grpc_on(tmp_path: Path) -> None:
     server = start_server({"api": "examples.litserve_api:InferencePipeline", "grpc_port": free_port()}, tmp_path)
     try:

@@ -45,14 +45,13 @@ class LitServeRoute:
         path = self.api.api_path
         telemetry.serve_predictions_at(path)
 
-        async def endpoint(request: Any, call: Request) -> Any:
-            return await self.answer(request, call)
+        async def endpoint(request: Any, call: Request | None = None) -> Any:
+            return await self.answer(request, call or request)
 
         kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
-        parameters = [
-            inspect.Parameter("request", kind, annotation=self.request_type),
-            inspect.Parameter("call", kind, annotation=Request),  # the HTTP call itself, for its deadline
-        ]
+        parameters = [inspect.Parameter("request", kind, annotation=self.request_type)]
+        if self.request_type is not Request:  # FastAPI passes the HTTP call to one Request parameter only
+            parameters.append(inspect.Parameter("call", kind, annotation=Request))  # for its deadline
         signature = inspect.Signature(parameters, return_annotation=self.response_type)
         endpoint.__signature__ = signature  # type: ignore[attr-defined]  # FastAPI reads the types from it
         app.add_api_route(path, endpoint, methods=["POST"])

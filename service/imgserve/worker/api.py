@@ -80,6 +80,7 @@ class WorkerAPI(ls.LitAPI):
             self.hooks = LitServeHooks(api)
         with self._reported(f"the API's setup failed on {device}"):
             api.setup(device)
+        api.device = device  # as LitServe sets it after setup
         heap.hold_freed_memory()  # after loading: what a private load freed goes back to the system
         self.runner = BatchRunner(self.hooks, torch.device(device), on_oom=metrics.OOM_SPLITS.inc)
         self.heap = heap.BatchHeap(release=api.release_memory if isinstance(api, ImageAPI) else lambda: None)
