@@ -109,7 +109,7 @@ def _load(path: Path, factory: str | None, trust_pickle: bool, lazy: bool) -> to
         from safetensors.torch import load_file
 
         return _with_state(factory, load_file(str(path)))
-    if _is_torchscript(path):
+    if is_torchscript(path):
         return torch.jit.load(str(path), map_location="cpu").eval()
     mmap = lazy and zipfile.is_zipfile(path)
     try:
@@ -153,7 +153,8 @@ def _torch_can_read(path: Path) -> bool:
         return zipfile.is_zipfile(file) or file.read(1) == b"\x80"
 
 
-def _is_torchscript(path: Path) -> bool:
+def is_torchscript(path: Path) -> bool:
+    """Whether the file is a TorchScript archive (torch.jit.save), whatever its suffix."""
     if not zipfile.is_zipfile(path):
         return False
     with zipfile.ZipFile(path) as archive:

@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from imgserve import metrics
@@ -147,7 +148,8 @@ class Gate(grpc.aio.ServerInterceptor):
     """Sees each call's method and metadata before its message is read. A guarded call without a valid key gets a
     handler that never reads the message and answers UNAUTHENTICATED; every other unary call must send its message
     within `header_timeout_s` (an open RPC's message is a few bytes, sent with its headers), so calls that never send
-    one cannot hold the server's call slots."""
+    one cannot hold the server's call slots; ModelInfer's message has no such bound. Every message is parsed by the
+    handler, so one that is not the RPC's protobuf answers INVALID_ARGUMENT (gRPC's own parsing answers UNKNOWN)."""
 
     def __init__(self, keys: Keys, settings: Settings) -> None:
         self.keys, self.timeout = keys, settings.header_timeout_s
@@ -161,9 +163,10 @@ class Gate(grpc.aio.ServerInterceptor):
         if handler is None or handler.request_streaming or handler.response_streaming:
             return handler
         if details.method not in GUARDED:
-            return _read_within(handler, self.timeout)
+            return _read_within(handler, self.timeout, telemetry.GRPC_OTHER)
         metadata = [(key.encode(), _bytes(value)) for key, value in details.invocation_metadata or ()]
-        return handler if self.keys.allow(presented_key(metadata)) else _REFUSED
+        allowed = self.keys.allow(presented_key(metadata))
+        return _read_within(handler, None, telemetry.GRPC_INFER) if allowed else _REFUSED
 
 
 async def _unauthenticated(requests: Any, context: grpc.aio.ServicerContext) -> None:
@@ -179,21 +182,27 @@ async def _unauthenticated(requests: Any, context: grpc.aio.ServicerContext) -> 
 _REFUSED = grpc.stream_unary_rpc_method_handler(_unauthenticated)
 
 
-def _read_within(handler: grpc.RpcMethodHandler, timeout: float) -> grpc.RpcMethodHandler:
-    """The unary `handler` as one that reads its own message, DEADLINE_EXCEEDED when none arrived in `timeout` s."""
+def _read_within(handler: grpc.RpcMethodHandler, timeout: float | None, label: str) -> grpc.RpcMethodHandler:
+    """The unary `handler` as one that reads and parses its own message: DEADLINE_EXCEEDED when none arrived in
+    `timeout` s (None: no bound), INVALID_ARGUMENT when it is not the RPC's protobuf; counted under `label`."""
 
     async def answer(requests: Any, context: grpc.aio.ServicerContext) -> Any:
         started = time.perf_counter()
         try:
-            request = await asyncio.wait_for(context.read(), timeout)
+            data = await asyncio.wait_for(context.read(), timeout)
         except TimeoutError:
-            metrics.count(telemetry.GRPC_OTHER, 408, time.perf_counter() - started)
+            metrics.count(label, 408, time.perf_counter() - started)
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"the request did not arrive within {timeout} s")
-        if request is grpc.aio.EOF:
+        if data is grpc.aio.EOF:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call ended without a request message")
+        try:
+            request = handler.request_deserializer(data)
+        except DecodeError as exc:
+            metrics.count(label, 400, time.perf_counter() - started)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request message is not valid protobuf: {exc}")
         return await handler.unary_unary(request, context)
 
-    return grpc.stream_unary_rpc_method_handler(answer, handler.request_deserializer, handler.response_serializer)
+    return grpc.stream_unary_rpc_method_handler(answer, None, handler.response_serializer)
 
 
 def _bytes(value: str | bytes) -> bytes:

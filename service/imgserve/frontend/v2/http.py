@@ -1,7 +1,9 @@
 """The Open Inference Protocol over HTTP, beside imgserve's own routes on the same port: health, metadata, config
 and infer (JSON tensors, Triton's binary tensor data extension, raw binary bodies, gzip/deflate bodies).
 
-Errors are the protocol's `{"error": "<message>"}`; health answers carry JSON bodies (KServe's client reads them).
+Errors are the protocol's `{"error": "<message>"}`. Health answers 200 for true and 400 for false (required_api.md:
+"a 4xx status code indicates false"; Triton's choice of 4xx), with JSON bodies where the text wants them empty
+(KServe's client reads `ready` from a 200 and `error` from any other answer).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from imgserve.frontend.v2.model import VERSION, ServedModel
 from imgserve.frontend.v2.tensors import InferRequest, RequestedOutput, Tensor
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+NOT_READY = 400
 ANY_ZLIB_HEADER = 32 + zlib.MAX_WBITS  # gzip or zlib, told apart by the header
 
 
@@ -37,6 +40,7 @@ class V2Routes:
         """Every route, each model route with and without `/versions/{version}`."""
         found = [
             Route("/v2", self.server_metadata, methods=["GET"]),
+            Route("/v2/", self.server_metadata, methods=["GET"]),  # the OpenAPI document's spelling
             Route("/v2/health/live", self.live, methods=["GET"]),
             Route("/v2/health/ready", self.ready, methods=["GET"]),
         ]
@@ -56,8 +60,7 @@ class V2Routes:
         return JSONResponse({"live": True})
 
     async def ready(self, request: Request) -> JSONResponse:
-        ready = self.model.not_ready_reason() is None
-        return JSONResponse({"ready": ready}, status_code=200 if ready else 503)
+        return self._readiness({})
 
     async def model_ready(self, request: Request) -> Response:
         return await self._answer(request, self._model_ready)
@@ -69,8 +72,14 @@ class V2Routes:
         return await self._answer(request, lambda: JSONResponse(self.model.config()))
 
     def _model_ready(self) -> JSONResponse:
-        ready = self.model.not_ready_reason() is None
-        return JSONResponse({"name": self.model.name, "ready": ready}, status_code=200 if ready else 503)
+        return self._readiness({"name": self.model.name})
+
+    def _readiness(self, body: dict[str, Any]) -> JSONResponse:
+        """200 `{..., "ready": true}`, or 400 `{..., "ready": false, "error": why}` (loading, draining, ...)."""
+        reason = self.model.not_ready_reason()
+        if reason is None:
+            return JSONResponse({**body, "ready": True})
+        return JSONResponse({**body, "ready": False, "error": f"not ready: {reason}"}, status_code=NOT_READY)
 
     async def _answer(self, request: Request, answer: Callable[[], Response]) -> Response:
         try:

@@ -14,6 +14,7 @@ one BYTES output (`output`) holding its /predict answer. With the classification
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,8 +24,9 @@ from imgserve.config import Settings
 from imgserve.errors import ApiError
 from imgserve.frontend.inference import Inference, Steps
 from imgserve.frontend.responding import json_bytes
-from imgserve.frontend.v2.tensors import DTYPES, InferRequest, RequestedOutput, Tensor, bad
+from imgserve.frontend.v2.tensors import DTYPES, InferRequest, RequestedOutput, Tensor, bad, from_raw
 from imgserve.handoff.state import SharedState
+from imgserve.models.loader import is_torchscript
 from imgserve.version import __version__
 
 VERSION = "1"
@@ -32,10 +34,14 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration", "classification"]
 
 
 def platform(model: str) -> str:
-    """The metadata's `platform` (the specification calls it information only): TorchScript files are
-    `pytorch_torchscript`, the spec's word for them; any other model, or a user's Python, `pytorch` (imgserve runs
-    it in PyTorch's eager mode)."""
-    return "pytorch_torchscript" if model.endswith((".ts", ".jit")) else "pytorch"
+    """The metadata's `platform`, "<project>_<format>" as the specification names platforms (information only; it
+    lists `pytorch_torchscript` for TorchScript): a TorchScript archive, whatever its suffix, `pytorch_torchscript`;
+    a torch.export archive (.pt2) `pytorch_exportedprogram`; any model the workers build and run as Python modules
+    (the built-in model, weights with a factory, a pickled module) `pytorch_eager`."""
+    path = Path(model)
+    if path.suffix == ".pt2":
+        return "pytorch_exportedprogram"
+    return "pytorch_torchscript" if path.is_file() and is_torchscript(path) else "pytorch_eager"
 
 
 class ServedModel:
@@ -99,6 +105,7 @@ class ServedModel:
         specs = {spec.name: spec for spec in self.api.outputs}
         wanted = _wanted(specs, request)
         names = [output.name for output in request.outputs] if request.outputs is not None else None
+        inputs = request.inputs if request.raw is None else [self._raw_input(request.raw)]
         calls = [
             Request(
                 protocol="v2",
@@ -107,18 +114,22 @@ class ServedModel:
                 parameters=request.parameters,
                 max_image_pixels=self.settings.max_image_pixels,
             )
-            for row in self._rows(request.inputs)
+            for row in self._rows(inputs)
         ]
         deadline = min(deadline, started + _timeout_s(request.parameters.get("timeout")))
         steps = Steps(self.api.decode_request, lambda output, call: self._values(output, call, specs), _row_bytes)
         answers = await self.inference.run(calls, deadline, steps)
         return [(output, self._tensor(specs[output.name], output, answers)) for output in wanted]
 
+    def _raw_input(self, body: bytes) -> Tensor:
+        """A raw binary request's body as the first declared input (the extension wants a model of one input; the
+        built-in models' second input, `pixels`, is an alternative to `image`, never needed beside it)."""
+        spec = self.api.inputs[0]
+        return from_raw(spec.name, spec.datatype, spec.dims, body)
+
     def _rows(self, inputs: list[Tensor]) -> list[dict[str, np.ndarray]]:
         """The request's items: each declared input's row of the batch, checked against the declaration."""
         declared = {spec.name: spec for spec in self.api.inputs}
-        if len(inputs) == 1 and inputs[0].name == "":  # a raw binary request: the body is the first input
-            inputs[0].name = next(iter(declared))
         count = None
         if len({tensor.name for tensor in inputs}) < len(inputs):
             raise bad("an input is given twice")

@@ -9,7 +9,6 @@ In JSON, a BYTES element that holds an image is a base64 string (JSON strings ca
 from __future__ import annotations
 
 import base64
-import binascii
 import json
 import math
 import re
@@ -75,6 +74,7 @@ class InferRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
     id: str | None = None
     binary_outputs: bool = False  # binary_data_output: every output binary unless it says otherwise
+    raw: bytes | None = None  # a raw binary request's body: the model's first input, one item (see from_raw)
 
 
 class _InputModel(BaseModel):
@@ -114,7 +114,7 @@ def parse_http(body: bytes, header_length: str | None, max_elements: int | None 
     else:
         length = _header_length(header_length, len(body))
         if length == 0:  # a raw binary request: the body is the model's first input, one item, answered binary
-            return InferRequest([Tensor("", "BYTES", [1, 1], [_raw_element(body)])], binary_outputs=True)
+            return InferRequest([], binary_outputs=True, raw=body)
         header, binary = body[:length], body[length:]
     model = _header(header, max_elements)
     inputs, offset = [], 0
@@ -194,6 +194,24 @@ def _top_k(output: _OutputModel) -> int | None:
     return k
 
 
+def from_raw(name: str, datatype: str, dims: tuple[int, ...], body: bytes) -> Tensor:
+    """A raw binary request's body as one item of the input declared `datatype` [N, *dims] (extension_binary_data.md,
+    "Raw Binary Request"): BYTES is the one element [1, 1]; any other datatype has the declared dims, its one
+    variable dimension, if any, deduced from the body's size (400 where the size cannot say the shape)."""
+    if datatype == "BYTES":
+        return Tensor(name, "BYTES", [1, 1], [_raw_element(body)])
+    itemsize = _dtype(name, datatype).itemsize
+    variable = [index for index, size in enumerate(dims) if size < 0]
+    known = math.prod(size for size in dims if size >= 0) * itemsize
+    shape = [1, *dims]
+    if len(variable) > 1 or (variable and (known == 0 or len(body) % known)):
+        declared = f"{datatype} {[-1, *dims]}"
+        raise bad(f"input {name!r} is {declared}: a raw binary body of {len(body)} bytes cannot say its shape")
+    if variable:
+        shape[1 + variable[0]] = len(body) // known
+    return from_binary(name, datatype, shape, body)
+
+
 def _raw_element(body: bytes) -> bytes:
     """A raw binary body: one serialized BYTES element (length-prefixed), or the image's bytes as they are."""
     if len(body) >= 4 and _LENGTH.unpack_from(body)[0] == len(body) - 4:
@@ -232,7 +250,7 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any) -> Tensor:
         raise bad(f"input {name!r}: BYTES data must be base64 strings")
     try:
         values = [base64.b64decode(item, validate=True) for item in flat]
-    except binascii.Error:
+    except ValueError:  # binascii.Error, or a character outside ASCII
         raise bad(f"input {name!r}: BYTES data must be base64 strings (an image cannot travel as JSON text)") from None
     return from_elements(name, shape, values)
 
