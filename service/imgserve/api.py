@@ -26,6 +26,7 @@ import litserve as ls
 import numpy as np
 import torch
 from PIL import Image
+from pydantic import BaseModel
 
 from imgserve import codec
 from imgserve.errors import ApiError
@@ -151,7 +152,9 @@ class ImageAPI(ls.LitAPI):
     name), `inputs` and `outputs` (its TensorSpecs: by default one encoded image in and one BYTES output holding the
     /predict answer), `labels` (class names, for the protocol's classification extension), `model` and
     `model_factory` (a model file that imgserve loads once per device and shares among the workers, see
-    `load_model`), and `group_by_shape` (False when your `batch` pads items of different shapes itself).
+    `load_model`), `group_by_shape` (False when your `batch` pads items of different shapes itself), and
+    `request_model` (a pydantic model of the fields `decode_request` reads beside the image, from the query string or
+    the form: /openapi.json and /docs list them).
     """
 
     name: ClassVar[str | None] = None
@@ -161,6 +164,7 @@ class ImageAPI(ls.LitAPI):
     model: ClassVar[str | None] = None
     model_factory: ClassVar[str | None] = None
     group_by_shape: ClassVar[bool] = True
+    request_model: ClassVar[type[BaseModel] | None] = None
 
     def __init__(self, max_batch_size: int | Literal["auto"] | None = None, batch_timeout: float | None = None) -> None:
         """`max_batch_size` (a count or "auto": the largest that fits the memory measured at start) and

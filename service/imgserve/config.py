@@ -202,7 +202,9 @@ class Settings(BaseSettings):
         description="File with one API key per line (a mounted Secret), re-read every second; a change that leaves "
         "no key keeps the keys in force.",
     )
-    protect_metrics: bool = Field(False, description="Require an API key for /metrics and /info too.")
+    protect_metrics: bool = Field(
+        False, description="Require an API key for /metrics, /info, /docs and /openapi.json too."
+    )
 
     # Output.
     output_format: Literal["jpeg", "png", "webp"] = Field("jpeg", description="Image format when none is asked.")
@@ -210,6 +212,7 @@ class Settings(BaseSettings):
 
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log verbosity.")
     access_log: bool = Field(False, description="Log every HTTP request (costs front-end CPU under load).")
+    docs: bool = Field(True, description="Serve /docs and /openapi.json (Swagger UI from the package's own files).")
 
     def configure_logging(self) -> None:
         """The log format and level of every imgserve process (spawned workers start with none)."""

@@ -21,7 +21,7 @@ from imgserve.api import ImageAPI
 from imgserve.config import Settings
 from imgserve.engine import EngineServer
 from imgserve.errors import install_handlers
-from imgserve.frontend import telemetry
+from imgserve.frontend import openapi, telemetry
 from imgserve.frontend.admission import Admission, AdmissionMiddleware
 from imgserve.frontend.auth import ApiKeyMiddleware, KeyProblem, Keys
 from imgserve.frontend.connections import GuardedHttpToolsProtocol
@@ -112,6 +112,7 @@ class ImageServer(EngineServer):
             self.setup_status,
         )
         api = self.api
+        name: str | None = None  # the model's name in the Open Inference Protocol: an ImageAPI's
         if isinstance(api, ImageAPI):
             predict = routes.predict_with(api)
             for path in telemetry.PREDICT_PATHS:
@@ -131,6 +132,9 @@ class ImageServer(EngineServer):
             ("/metrics", routes.metrics),
         ):
             self.app.router.routes.append(Route(path, endpoint, methods=["GET"]))
+        if self.settings.docs:  # after every other route: the document describes them
+            described = openapi.document(self.settings, api, name, self.app.routes)
+            self.app.router.routes.extend(openapi.docs_routes(described))
 
     def hand_off(self, front_ends: int) -> tuple[RequestSocket, AnswerSockets]:
         return RequestSocket(self.directory.root), AnswerSockets(self.directory.root, front_ends)

@@ -1,5 +1,5 @@
 """Authentication: API keys guard the inference routes (/predict, v2 HTTP infer, gRPC ModelInfer; and /metrics,
-/info if asked); health and metadata routes stay open.
+/info, /docs, /openapi.json if asked); health and metadata routes stay open.
 
 A client sends `Authorization: Bearer <key>` or `X-API-Key: <key>`. Keys come from `api_key` (comma separated,
 so an old and a new key work side by side while clients rotate) and `api_key_file` (one per line, e.g. a mounted
@@ -23,13 +23,20 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from imgserve.config import Settings
 from imgserve.errors import ApiError
-from imgserve.frontend.telemetry import INFER_ROUTES, route
+from imgserve.frontend.telemetry import DOCS_PATHS, INFER_ROUTES, route
 from imgserve.metrics import API_KEY_RELOAD_FAILURES
 
 MAX_KEY_FILE_BYTES = 64 * 1024
 POLL_S = 1.0  # how often a front end re-reads the key file
 
 log = logging.getLogger(__name__)
+
+
+def guarded_routes(settings: Settings) -> set[str]:
+    """The route labels (telemetry.route) that need a key when keys are configured: the inference routes, and with
+    protect_metrics what describes the server (/metrics, /info, /docs, /openapi.json)."""
+    described = {"/metrics", "/info", *DOCS_PATHS} if settings.protect_metrics else set()
+    return INFER_ROUTES | described
 
 
 class KeyProblem(ValueError):
@@ -165,7 +172,7 @@ class ApiKeyMiddleware:
     def __init__(self, app: ASGIApp, settings: Settings, keys: Keys) -> None:
         self.app, self.keys = app, keys
         self.keys.watch()  # built by the front end as it starts, before it serves
-        self.guarded = INFER_ROUTES | ({"/metrics", "/info"} if settings.protect_metrics else set())
+        self.guarded = guarded_routes(settings)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or route(scope["path"]) not in self.guarded or self._allowed(scope):

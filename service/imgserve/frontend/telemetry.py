@@ -19,7 +19,9 @@ from imgserve.handoff.state import SharedState
 from imgserve.metrics import count
 
 PREDICT_PATHS = ("/predict", "/v1/images:predict")
-ROUTES = {*PREDICT_PATHS, "/health", "/health/live", "/health/ready", "/info", "/metrics", "/"}
+DOCS_PATHS = ("/docs", "/openapi.json")
+DOCS_ASSETS = "/docs/assets"  # Swagger UI's files: one label for them all
+ROUTES = {*PREDICT_PATHS, *DOCS_PATHS, "/health", "/health/live", "/health/ready", "/info", "/metrics", "/"}
 # The Open Inference Protocol's routes carry the model's name: each protocol is one label for its inferences and
 # one for the rest (health, metadata, config), whatever the model and version named in the path.
 V2_INFER, V2_OTHER = "/v2/infer", "/v2"
@@ -39,6 +41,8 @@ def route(path: str) -> str:
     """The `route` label of an HTTP request path (low cardinality: unknown paths are `other`)."""
     if path in ROUTES:
         return path
+    if path.startswith(f"{DOCS_ASSETS}/"):
+        return DOCS_ASSETS
     if path == "/v2" or path.startswith("/v2/"):
         return V2_INFER if V2_INFER_PATH.fullmatch(path) else V2_OTHER
     return "other"

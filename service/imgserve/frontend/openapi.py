@@ -1,0 +1,411 @@
+"""GET /openapi.json, the OpenAPI 3.1 document of what this server serves, and GET /docs, Swagger UI over it, from
+the Swagger UI files that the swagger-ui-py package ships (served under /docs/assets: no CDN, so the page renders on
+a cluster without internet).
+
+imgserve's own routes are plain Starlette routes: each is described here as a FastAPI route on an endpoint that
+never runs, typed as the real route reads and answers (a plain LitAPI's route is FastAPI's already). FastAPI's
+`get_openapi` writes the document from them once, at start; the front ends answer it as bytes.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Mapping, Sequence
+from importlib.resources import files
+from typing import Annotated, Any, Literal
+
+from fastapi import File, Form, Header, Path, Query, UploadFile
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, Field, RootModel
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, PlainTextResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from imgserve.api import ImageAPI
+from imgserve.config import Settings
+from imgserve.errors import ApiError
+from imgserve.frontend.auth import guarded_routes
+from imgserve.frontend.telemetry import DOCS_ASSETS, PREDICT_PATHS, route
+from imgserve.frontend.v2 import schemas as v2
+from imgserve.frontend.v2.http import HEADER_LENGTH
+from imgserve.frontend.v2.http import NOT_READY as V2_NOT_READY
+from imgserve.frontend.v2.model import VERSION
+from imgserve.models.builtin import ModelAPI
+from imgserve.models.loader import ModelLoadError
+from imgserve.models.render import PredictParams
+from imgserve.version import __version__
+
+OPENAPI_PATH, DOCS_PATH = "/openapi.json", "/docs"
+TAGS = [
+    {"name": "predict", "description": "Send an image, get the model's answer."},
+    {"name": "health", "description": "Liveness, readiness, what runs, its metrics."},
+    {"name": "v2", "description": "The Open Inference Protocol (KServe v2, Triton's HTTP/REST API)."},
+]
+RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before trying again", "schema": {"type": "integer"}}}
+SECURITY_SCHEMES = {
+    "bearer": {"type": "http", "scheme": "bearer", "description": "Authorization: Bearer <key>"},
+    "apiKey": {"type": "apiKey", "in": "header", "name": "X-API-Key"},
+}
+
+PREDICT_ERRORS: dict[int | str, str] = {
+    400: "Not a readable image (empty, corrupt, not an image), or a malformed body",
+    408: "The request's headers or body came too slowly",
+    413: "A body over max_body_bytes, or an image over max_image_pixels",
+    415: "Neither multipart/form-data nor an image/* body, or an image format that is not read",
+    422: "No `file` field, a bad field or query parameter, or a bad X-Request-Timeout",
+    500: "The model or the API failed on this request (the rest of its batch is answered)",
+    503: "Shed (queue full, draining, out of memory, a worker lost): try again after Retry-After seconds",
+    504: "The request's deadline passed; work not yet started never reaches the model",
+}
+V2_ERRORS = {
+    400: "A request the protocol cannot read, or inputs that do not fit the model's",
+    404: "No such model or version",
+    413: "A body over max_body_bytes, or more images than the server holds",
+    415: "A Content-Encoding other than gzip or deflate, or an image format that is not read",
+    422: "A bad `timeout` parameter or X-Request-Timeout",
+    500: "The model or the API failed on this request",
+    503: PREDICT_ERRORS[503],
+    504: PREDICT_ERRORS[504],
+}
+HOOK_ERROR = "An ApiError that the API's hooks raise: its status (e.g. 429 with Retry-After)"
+LITSERVE_ERRORS = {
+    400: "A body that is neither JSON nor a form",
+    413: "A body over max_body_bytes",
+    **{s: PREDICT_ERRORS[s] for s in (408, 503, 504)},
+}
+
+
+class ErrorDetail(BaseModel):
+    code: str = Field(description="What went wrong, for programs: queue_full, deadline, corrupt_image, ...")
+    message: str = Field(description="What went wrong, in one line")
+
+
+class Error(BaseModel):
+    """The body of every error of imgserve's own routes."""
+
+    error: ErrorDetail
+
+
+class Detail(BaseModel):
+    """The body of an error that a plain LitAPI's hooks raise (FastAPI's HTTPException, as LitServe answers it)."""
+
+    detail: Any
+
+
+class LitServeError(RootModel[Error | Detail]):
+    """An error of a plain LitAPI's route: imgserve's envelope where admission or the connection refused it, else
+    FastAPI's {"detail": ...} as LitServe answers."""
+
+
+class Health(BaseModel):
+    status: Literal["alive", "ready", "not ready"]
+    reason: str | None = Field(None, description="Why not ready: model loading, draining, worker restarting, ...")
+
+
+def _param(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=annotation, default=default)
+
+
+class Describer:
+    """Each route this server serves as a FastAPI route that describes it: what it reads, what it answers (its
+    errors in its protocol's envelope) and, where API keys guard it, the keys it takes."""
+
+    def __init__(self, settings: Settings, api: Any) -> None:
+        self.settings, self.api = settings, api
+        self.keys = settings.api_key is not None or bool(settings.api_key_file)
+        self.guarded = guarded_routes(settings)
+
+    def route(
+        self,
+        path: str,
+        method: str,
+        name: str,
+        tag: str,
+        parameters: Sequence[inspect.Parameter] = (),
+        body: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> APIRoute:
+        """A route whose endpoint takes `parameters` and never runs (imgserve's own route answers); `body`: more
+        media types of the request body than FastAPI writes from the parameters."""
+
+        async def endpoint() -> None:
+            """Never called."""
+
+        endpoint.__signature__ = inspect.Signature(list(parameters))  # type: ignore[attr-defined]  # FastAPI reads it
+        options.update(self._common(path, tag, options.pop("responses", {}), body))
+        return APIRoute(path, endpoint, methods=[method], name=name, **options)
+
+    def _common(self, path: str, tag: str, answers: dict[int | str, Any], body: dict[str, Any] | None) -> dict:
+        """Its tag, its answers with 401 where a key is needed, and the key schemes and request body FastAPI lacks."""
+        answers, extra = dict(answers), dict[str, Any]()
+        if self.keys and route(path) in self.guarded:
+            answers[401] = self.error(path, "No valid API key: send Authorization: Bearer <key> or X-API-Key: <key>")
+            extra["security"] = [{scheme: []} for scheme in SECURITY_SCHEMES]
+        if body:
+            extra["requestBody"] = {"content": body}
+        return {"tags": [tag], "responses": answers, "openapi_extra": extra or None}
+
+    def errors(self, path: str, statuses: Mapping[Any, str], body: Any = None) -> dict[int | str, Any]:
+        return {status: self.error(path, text, status, body) for status, text in statuses.items()}
+
+    def error(self, path: str, description: str, status: int | str = 0, body: Any = None) -> dict[str, Any]:
+        """One error answer: `body`, by default the envelope of the protocol `path` belongs to."""
+        body = body or (v2.ProtocolError if path.startswith("/v2") else Error)
+        retry = {"headers": RETRY_AFTER} if status in (503, "default") else {}
+        return {"model": body, "description": description, **retry}
+
+    def predict(self, app_routes: Sequence[BaseRoute]) -> list[APIRoute]:
+        """POST /predict and /v1/images:predict for an ImageAPI; a plain LitAPI's route, as FastAPI describes it."""
+        if not isinstance(self.api, ImageAPI):
+            return [self._litserve(found) for found in app_routes if isinstance(found, APIRoute)]
+        builtin = isinstance(self.api, ModelAPI)
+        statuses = PREDICT_ERRORS if builtin else {**PREDICT_ERRORS, "default": HOOK_ERROR}
+        return [
+            self.route(
+                path,
+                "POST",
+                "predict",
+                "predict",
+                self._predict_parameters(),
+                IMAGE_BODY,
+                summary="Run the model on one image",
+                description=self._predict_text(builtin),
+                responses={200: self._predict_answer(builtin), **self.errors(path, statuses)},
+            )
+            for path in PREDICT_PATHS
+        ]
+
+    def _predict_parameters(self) -> list[inspect.Parameter]:
+        """The multipart `file`, the fields the API reads (the built-in API: its query parameters) and the deadline."""
+        upload = "The image; or send it as the whole body, with an image/* Content-Type"
+        found = [_param("file", Annotated[UploadFile, File(description=upload)])]
+        if isinstance(self.api, ModelAPI):
+            found.append(_param("params", Annotated[PredictParams, Query()]))
+        elif (fields := request_model(self.api)) is not None:
+            found += [_param("fields", Annotated[fields, Form()]), _param("query", Annotated[fields, Query()])]
+        timeout = "This request's deadline in seconds (default request_timeout_s, at most max_request_timeout_s)"
+        header = Header(alias="X-Request-Timeout", description=timeout)
+        return [*found, _param("timeout", Annotated[float | None, header], None)]
+
+    def _predict_text(self, builtin: bool) -> str:
+        if builtin:
+            return (
+                "Answers by the model's output kind (`task` in GET /info): an image (`format`, else the `Accept` "
+                "header's first image type, else the server's default), class scores (`top_k`), a mask (PNG, or "
+                "JSON with `format=json`) or detections (`score_threshold`)."
+            )
+        text = f"What `{type(self.api).__qualname__}.encode_response` answers (JSON unless it says otherwise)."
+        if request_model(self.api) is not None:
+            text += " Its fields go in the query string, or with a multipart upload in the form."
+        return text
+
+    def _predict_answer(self, builtin: bool) -> dict[str, Any]:
+        if not builtin:
+            return {"description": "The API's answer", "content": {"application/json": {"schema": {}}}}
+        images = {f"image/{kind}": {"schema": binary(f"image/{kind}")} for kind in ("jpeg", "png", "webp")}
+        scores = {"application/json": {"schema": {"type": "object"}}}
+        return {"description": "The output image, or JSON (scores, mask, detections)", "content": {**images, **scores}}
+
+    def _litserve(self, found: APIRoute) -> APIRoute:
+        """A plain LitAPI's route as FastAPI describes it, with the answers imgserve adds around it."""
+        answers = self.errors(found.path, LITSERVE_ERRORS, LitServeError)
+        return APIRoute(
+            found.path,
+            found.endpoint,
+            methods=sorted(found.methods or ()),
+            name=found.name,
+            response_model=found.response_model,
+            summary=f"{type(self.api).__qualname__}: the API's predict route",
+            **self._common(found.path, "predict", answers, None),
+        )
+
+    def health(self) -> list[APIRoute]:
+        """The health routes, /info and /metrics."""
+        not_ready = {503: {"model": Health, "description": "Not ready: `reason` says why"}}
+        ready: dict[str, Any] = {
+            "summary": "Can it take requests now?",
+            "response_model": Health,
+            "responses": not_ready,
+        }
+        return [
+            self.route("/health/live", "GET", "live", "health", summary="Is the process up?", response_model=Health),
+            self.route("/health/ready", "GET", "ready", "health", **ready),
+            self.route("/health", "GET", "health", "health", **ready),
+            self.route(
+                "/info",
+                "GET",
+                "info",
+                "health",
+                summary="What runs: model, device, workers, batch limits, version",
+                response_model=dict[str, Any],
+            ),
+            self.route(
+                "/metrics", "GET", "metrics", "health", summary="Prometheus metrics", response_class=PlainTextResponse
+            ),
+        ]
+
+    def v2(self, name: str) -> list[APIRoute]:
+        """The Open Inference Protocol's routes for the model called `name`, with and without its version."""
+        not_ready = {V2_NOT_READY: {"model": v2.Ready, "description": "Not ready: `error` says why"}}
+        found = [
+            self.route("/v2", "GET", "server_metadata", "v2", response_model=v2.ServerMetadata),
+            self.route("/v2/health/live", "GET", "server_live", "v2", response_model=v2.Live),
+            self.route("/v2/health/ready", "GET", "server_ready", "v2", response_model=v2.Ready, responses=not_ready),
+        ]
+        named = Path(description="The model's name", json_schema_extra={"enum": [name]})
+        model = _param("model", Annotated[str, named])
+        version = _param("version", Annotated[str, Path(json_schema_extra={"enum": [VERSION]})])
+        found += self._v2_model("/v2/models/{model}", [model], "")
+        found += self._v2_model("/v2/models/{model}/versions/{version}", [model, version], "_version")
+        return found
+
+    def _v2_model(self, base: str, parameters: list[inspect.Parameter], suffix: str) -> list[APIRoute]:
+        """A model's metadata, readiness, configuration and inference at `base`."""
+        missing = self.errors(base, {404: V2_ERRORS[404]})
+        not_ready = {V2_NOT_READY: {"model": v2.ModelReady, "description": "Not ready: `error` says why"}}
+        header = "The length of the JSON header when tensors' bytes follow it (0: the body is the first input's item)"
+        length = _param("header_length", Annotated[int | None, Header(alias=HEADER_LENGTH, description=header)], None)
+        infer, raw = f"{base}/infer", {"application/octet-stream": {"schema": binary()}}
+        return [
+            self.route(
+                base,
+                "GET",
+                f"model_metadata{suffix}",
+                "v2",
+                parameters,
+                response_model=v2.ModelMetadata,
+                responses=missing,
+            ),
+            self.route(
+                f"{base}/ready",
+                "GET",
+                f"model_ready{suffix}",
+                "v2",
+                parameters,
+                response_model=v2.ModelReady,
+                responses={**missing, **not_ready},
+            ),
+            self.route(
+                f"{base}/config",
+                "GET",
+                f"model_config{suffix}",
+                "v2",
+                parameters,
+                response_model=v2.ModelConfig,
+                responses=missing,
+            ),
+            self.route(
+                infer,
+                "POST",
+                f"model_infer{suffix}",
+                "v2",
+                [*parameters, _param("request", v2.InferRequest), length],
+                raw,
+                summary="Run the model on a batch of tensors",
+                description=self._tensors_text(),
+                response_model=v2.InferResponse,
+                responses={200: {"content": raw}, **self.errors(infer, V2_ERRORS)},
+            ),
+        ]
+
+    def _tensors_text(self) -> str:
+        """The model's tensors (the built-in API's outputs are known after its warm-up: GET /v2/models/{model})."""
+
+        def listed(specs: Sequence[Any]) -> str:
+            return ", ".join(f"`{spec.name}` {spec.datatype} {[-1, *spec.dims]}" for spec in specs)
+
+        try:
+            outputs = listed(self.api.outputs)
+        except ApiError:
+            outputs = "those of its output kind, decided as it starts (GET /v2/models/{model})"
+        return (
+            f"This model's inputs: {listed(self.api.inputs)}; its outputs: {outputs}. With `{HEADER_LENGTH}`, the "
+            "body is the JSON request followed by the bytes of the tensors it marks with `binary_data_size`; "
+            "outputs asked for with `binary_data` follow the JSON answer the same way."
+        )
+
+
+def binary(media_type: str = "application/octet-stream") -> dict[str, str]:
+    """The schema of a body of bytes."""
+    return {"type": "string", "contentMediaType": media_type}
+
+
+IMAGE_BODY = {kind: {"schema": binary(kind)} for kind in ("image/*", "application/octet-stream")}
+
+
+def request_model(api: Any) -> type[BaseModel] | None:
+    """The API's `request_model`, checked: a pydantic model class, or None."""
+    found = getattr(api, "request_model", None)
+    if found is not None and not (isinstance(found, type) and issubclass(found, BaseModel)):
+        name = type(api).__qualname__
+        raise ModelLoadError(f"{name}.request_model is {found!r}: give a pydantic BaseModel subclass (or None)")
+    return found
+
+
+def document(settings: Settings, api: Any, v2_name: str | None, app_routes: Sequence[BaseRoute]) -> dict[str, Any]:
+    """The OpenAPI document of `api` as this server serves it: /predict (or a plain LitAPI's route, from
+    `app_routes`), health, /info, /metrics and, where `v2_name` names the model, the Open Inference Protocol's
+    routes. ModelLoadError when the API's declarations cannot be described."""
+    describer = Describer(settings, api)
+    routes = [*describer.predict(app_routes), *describer.health()]
+    if v2_name is not None:
+        routes += describer.v2(v2_name)
+    text = inspect.cleandoc(type(api).__doc__ or "") if not isinstance(api, ModelAPI) else ""
+    try:
+        found = get_openapi(
+            title=f"imgserve: {settings.model if isinstance(api, ModelAPI) else type(api).__qualname__}",
+            version=__version__,
+            description=text or None,
+            routes=routes,
+            tags=TAGS if v2_name is not None else TAGS[:2],
+        )
+    except Exception as exc:  # a request_model or response type pydantic cannot write a schema for
+        raise ModelLoadError(f"cannot describe the API in /openapi.json ({exc}); --no-docs serves it without") from exc
+    if describer.keys:
+        found.setdefault("components", {})["securitySchemes"] = SECURITY_SCHEMES
+    _tidy(found, {described.path for described in app_routes if isinstance(described, APIRoute)})
+    return found
+
+
+def _tidy(found: dict[str, Any], fastapi_paths: set[str]) -> None:
+    """FastAPI gives every route with parameters its own 422 answer (HTTPValidationError): only the routes FastAPI
+    serves (`fastapi_paths`) answer it. Each route's answers are listed by status."""
+    for path, operations in found["paths"].items():
+        for operation in operations.values():
+            answers = operation["responses"]
+            if path not in fastapi_paths and "/HTTPValidationError" in json.dumps(answers.get("422", {})):
+                del answers["422"]
+            operation["responses"] = dict(sorted(answers.items(), key=lambda item: (item[0] == "default", item[0])))
+    schemas = found.get("components", {}).get("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):  # unused now, or a user's model of the same name
+        if f'/{name}"' not in json.dumps(found["paths"]) + json.dumps({k: v for k, v in schemas.items() if k != name}):
+            schemas.pop(name, None)
+
+
+def docs_routes(described: dict[str, Any]) -> list[BaseRoute]:
+    """GET /openapi.json (`described`), GET /docs (Swagger UI's page over it) and Swagger UI's files."""
+    body = json.dumps(described).encode()
+    page = get_swagger_ui_html(
+        openapi_url=OPENAPI_PATH,
+        title=described["info"]["title"],
+        swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+        swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+        swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
+        swagger_ui_parameters={"validatorUrl": None},  # Swagger UI would send the document to an online validator
+    ).body
+
+    async def openapi_json(request: Request) -> Response:
+        return Response(body, media_type="application/json")
+
+    async def docs(request: Request) -> Response:
+        return HTMLResponse(page)
+
+    return [
+        Route(OPENAPI_PATH, openapi_json, methods=["GET"]),
+        Route(DOCS_PATH, docs, methods=["GET"]),
+        Mount(DOCS_ASSETS, app=StaticFiles(directory=str(files("swagger_ui") / "static"))),
+    ]
