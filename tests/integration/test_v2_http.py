@@ -146,6 +146,7 @@ BAD_REQUESTS = {
     "shape mismatch": (dict(json=_bytes_input([B64], shape=[2, 1])), 400),
     "negative shape": (dict(json=_bytes_input([B64], shape=[-1, 1])), 400),
     "not base64": (dict(json=_bytes_input(["hello world!"])), 400),
+    "not ASCII": (dict(json=_bytes_input(["caf\u00e9 au lait"])), 400),
     "not an image": (dict(json=_bytes_input([base64.b64encode(b"hello world").decode()])), 400),
     "unknown output": (dict(json=_bytes_input([B64], outputs=[{"name": "nope"}])), 400),
     "bad format": (dict(json=_bytes_input([B64], parameters={"format": "gif"})), 400),
