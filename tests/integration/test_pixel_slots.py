@@ -8,7 +8,9 @@ import os
 import signal
 import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -17,25 +19,29 @@ import torch
 from litserve.utils import LitAPIStatus, LoopResponseType
 from serving import image_bytes, start_server, stop_server, wait_ready
 
+from imgserve.api import ImageAPI, Request
 from imgserve.config import Settings
 from imgserve.errors import ApiError
+from imgserve.handoff import items, wire
 from imgserve.handoff import slots as pixel_slots
-from imgserve.handoff import wire
 from imgserve.handoff.answers import AnswerSockets
 from imgserve.handoff.directory import LOCK, PREFIX, ServerDirectory
 from imgserve.handoff.dispatch import WORKER_CHECK_S, Dispatcher
+from imgserve.handoff.items import InSlot
 from imgserve.handoff.requests import RequestSocket
-from imgserve.handoff.slots import InSlot, SlotFiles
+from imgserve.handoff.slots import SlotFiles
 from imgserve.handoff.state import SharedState
+from imgserve.models.builtin import LocalKinds, ModelAPI
 from imgserve.models.denoiser import build_denoiser
 from imgserve.models.shared import SharedWeights
 from imgserve.pod import TorchThreads
-from imgserve.worker.api import ImageAPI, WorkerPlan
-from imgserve.worker.batching import BatchRunner, InMemory
+from imgserve.testing import InProcess
+from imgserve.worker.api import WorkerAPI, WorkerPlan
 from loadtests.lib.closed_loop import run_closed_loop
 from loadtests.lib.images import square_jpegs
 
 SMALL_MESSAGE = 1024  # bytes: a request or an answer as it crosses the queues, whatever the image size
+ONE_THREAD = TorchThreads(1, 1)
 
 
 @pytest.fixture
@@ -87,67 +93,116 @@ def test_a_new_server_removes_the_directories_of_dead_servers_only(tmp_path: Pat
     assert not live.root.exists() and not third.root.exists()
 
 
-def worker_plan(slot_dir: Path, batch_size: int) -> WorkerPlan:
+def worker_plan(slot_dir: Path, batch_size: int, threads: TorchThreads = ONE_THREAD) -> WorkerPlan:
     """One worker alone on its device, loading its own copy of the model."""
-    return WorkerPlan(slot_dir, SharedWeights(0, reason="a test worker"), batch_size, TorchThreads(1, 1), 1, 0)
+    weights = SharedWeights(0, reason="a test worker")
+    return WorkerPlan(slot_dir, weights, batch_size, 0.0, False, threads, 1, 0)
 
 
-def test_the_worker_reads_pixels_from_the_slot_and_answers_with_a_few_bytes(slot_dir: Path) -> None:
+def set_up(worker: WorkerAPI) -> WorkerAPI:
+    """`setup("cpu")` as a worker runs it; a worker leaves Ctrl-C to the main process: this test's process takes it
+    back."""
+    ctrl_c = signal.getsignal(signal.SIGINT)
+    try:
+        worker.setup("cpu")
+    finally:
+        signal.signal(signal.SIGINT, ctrl_c)
+    return worker
+
+
+def queued(files: SlotFiles, state: SharedState, slot: int, ticket: int, item: Any) -> dict[str, Any]:
+    """What a front end sends for `item` (what decode_request returned) in `slot`: its arrays in the slot, the
+    rest in the message, as the worker receives it."""
+    state.set_owner(slot, ticket)
+    placed = items.place(item, lambda array, offset: files.write(slot, array, offset), inline_bytes=1024)
+    now = time.monotonic()
+    return {"slot": [slot, ticket], "deadline": now + 30, "admitted": now, "item": placed}
+
+
+@pytest.fixture
+def restore_threads() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_the_worker_reads_pixels_from_the_slot_and_answers_with_a_few_bytes(
+    slot_dir: Path, restore_threads: None
+) -> None:
     settings = Settings(max_batch_size=4)
     state = SharedState(workers=1, request_slots=8)
-    api = ImageAPI(settings, state, worker_plan(slot_dir, batch_size=4))
-    ctrl_c = signal.getsignal(signal.SIGINT)
-    api.setup("cpu")  # as a worker, it leaves Ctrl-C to the main process: this test's process takes it back
-    signal.signal(signal.SIGINT, ctrl_c)
+    worker = set_up(WorkerAPI(ModelAPI(settings, LocalKinds(), pad=False), settings, state, worker_plan(slot_dir, 4)))
+    front_end = ModelAPI(settings, LocalKinds(), pad=False)  # the same API as a front end decodes with it
     images = [np.random.default_rng(i).integers(0, 256, (256, 320, 3), dtype=np.uint8) for i in range(3)]
-    files, requests = SlotFiles(slot_dir), []
-    for slot, image in enumerate(images):
-        files.write(slot, image)
-        state.set_owner(slot, 10 + slot)
-        requests.append({"slot": (slot, 10 + slot), "shape": image.shape, "deadline": time.monotonic() + 30})
-        requests[-1]["admitted"] = time.monotonic()
-    answers = api.predict(api.batch([api.decode_request(r) for r in requests]))
-    expected = BatchRunner(build_denoiser(), api.runner.device, channels_last=True)([InMemory(i) for i in images])
+    files = SlotFiles(slot_dir)
+    requests = [
+        queued(files, state, slot, 10 + slot, front_end.decode_request(Request.for_image(image)))
+        for slot, image in enumerate(images)
+    ]
+    assert all(isinstance(request["item"], InSlot) for request in requests), "the pixels are not in the slots"
+    answers = worker.predict(requests)
+
+    reference = ModelAPI(settings, LocalKinds(), pad=False)
+    reference.model_loader = lambda device: build_denoiser().eval().to(device)
+    expected = InProcess(reference).setup().predict(images)
     for slot, (request, answer) in enumerate(zip(requests, answers, strict=True)):
         assert isinstance(answer, InSlot) and answer.shape == images[slot].shape
         packed_answer = wire.pack_answer(("uid", (answer, LitAPIStatus.OK, LoopResponseType.REGULAR, 0)))
         assert len(wire.pack_request((0, "uid", 1.0, request))) < SMALL_MESSAGE and len(packed_answer) < SMALL_MESSAGE
-        output = files.read(slot, answer.shape, answer.dtype)
+        output = items.resolve(answer, lambda offset, shape, dtype, slot=slot: files.read(slot, shape, dtype, offset))
         assert np.abs(output.astype(int) - expected[slot].astype(int)).max() <= 1
+    files.close()
 
 
 def test_a_cpu_worker_runs_a_lone_batch_on_all_its_threads_and_its_share_while_others_are_in_flight(
-    slot_dir: Path,
+    slot_dir: Path, restore_threads: None
 ) -> None:
+    settings = Settings(max_batch_size=1)
     state = SharedState(workers=2, request_slots=4)
-    plan = WorkerPlan(slot_dir, SharedWeights(0, reason="a test worker"), 1, TorchThreads(2, 1), 2, 0)
-    api = ImageAPI(Settings(max_batch_size=1), state, plan)
-    ctrl_c, threads = signal.getsignal(signal.SIGINT), torch.get_num_threads()
-    api.setup("cpu")
-    signal.signal(signal.SIGINT, ctrl_c)
-    image = np.zeros((16, 16, 3), dtype=np.uint8)
-    SlotFiles(slot_dir).write(0, image)
-    state.set_owner(0, 1)
-    request = {"slot": (0, 1), "shape": image.shape, "deadline": time.monotonic() + 30, "admitted": time.monotonic()}
-    try:
-        used = []
-        for admitted in (1, 3):  # this request alone; then two more in flight elsewhere in the pod
-            assert state.try_admit(limit=8, count=admitted)
-            api.predict([request])
-            used.append(torch.get_num_threads())
-            state.release(admitted)
-        assert used == [2, 1]
-    finally:
-        torch.set_num_threads(threads)
+    plan = worker_plan(slot_dir, 1, TorchThreads(2, 1))
+    worker = set_up(WorkerAPI(ModelAPI(settings, LocalKinds(), pad=False), settings, state, plan))
+    request = queued(SlotFiles(slot_dir), state, 0, 1, np.zeros((16, 16, 3), dtype=np.uint8))
+    used = []
+    for admitted in (1, 3):  # this request alone; then two more in flight elsewhere in the pod
+        assert state.try_admit(limit=8, count=admitted)
+        (answer,) = worker.predict([request])
+        assert not isinstance(answer, ApiError), answer
+        used.append(torch.get_num_threads())
+        state.release(admitted)
+    assert used == [2, 1]
 
 
-def test_a_result_is_not_written_into_a_slot_that_moved_on(slot_dir: Path) -> None:
+class GivenUpMidBatch(ImageAPI):
+    """An API whose `predict` runs while the front end gives its request up and hands the slot to the next one
+    (`meanwhile`, set once the worker is set up)."""
+
+    meanwhile: Any = None
+
+    def predict(self, batch: np.ndarray) -> np.ndarray:
+        if self.meanwhile is not None:
+            self.meanwhile()
+        return 255 - batch
+
+
+def test_a_result_is_not_written_into_a_slot_that_moved_on(slot_dir: Path, restore_threads: None) -> None:
+    settings = Settings()
     state = SharedState(workers=1, request_slots=2)
-    api = ImageAPI(Settings(), state, worker_plan(slot_dir, batch_size=1))
-    api.slots = SlotFiles(slot_dir)
-    state.set_owner(0, 99)  # the front end gave request 5 up and put request 99 in slot 0
-    answer = api._place({"slot": (0, 5)}, np.ones((200, 200, 3), dtype=np.uint8))
-    assert isinstance(answer, ApiError) and pixel_slots.bytes_in_use(slot_dir) == 0
+    api = GivenUpMidBatch()
+    worker = set_up(WorkerAPI(api, settings, state, worker_plan(slot_dir, 1)))
+    files = SlotFiles(slot_dir)
+    given_up = np.ones((200, 200, 3), dtype=np.uint8)  # over the answer message's inline size: it goes to the slot
+    successor = np.full((200, 200, 3), 7, dtype=np.uint8)
+    request = queued(files, state, 0, 5, given_up)
+
+    def front_end_moves_on() -> None:  # request 5 got its 504; request 99 now holds slot 0 and placed its pixels
+        queued(files, state, 0, 99, successor)
+
+    api.meanwhile = front_end_moves_on
+    (answer,) = worker.predict([request])
+    assert isinstance(answer, ApiError) and (answer.status, answer.code) == (504, "deadline"), answer
+    assert (files.read(0, successor.shape) == successor).all(), "the late result overwrote the next request's pixels"
+    assert pixel_slots.bytes_in_use(slot_dir) <= successor.nbytes + 4096  # nothing written past them either
+    files.close()
 
 
 def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its_answer(slot_dir: Path) -> None:
@@ -159,18 +214,20 @@ def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its
 
     async def handler(timeout: float) -> object:
         async with dispatcher.slot() as slot:
-            slot.write(image)
-            return slot.result(await slot.submit(image.shape, time.monotonic() + timeout))
+            item = slot.place(image)
+            return slot.result(await slot.submit(item, time.monotonic() + timeout))
 
     def work(message: tuple, taken: bool = False) -> None:
-        """What a worker does: take the request, read the slot, write the answer into it, send a small answer."""
+        """What a worker does: take the request, read its item from the slot, place its output there, send a
+        small answer."""
         _, uid, _, payload = message
         index, ticket = payload["slot"]
         assert taken or state.mark_taken(index, ticket, worker=0)
         files = SlotFiles(slot_dir)
-        pixels = files.read(index, payload["shape"])
-        files.write(index, 255 - pixels)
-        answers.send((uid, (InSlot(pixels.shape, "|u1"), LitAPIStatus.OK, LoopResponseType.REGULAR, 0)), 0)
+        pixels = items.resolve(payload["item"], lambda offset, shape, dtype: files.read(index, shape, dtype, offset))
+        answer = items.place(255 - pixels, lambda array, offset: files.write(index, array, offset))
+        answers.send((uid, (answer, LitAPIStatus.OK, LoopResponseType.REGULAR, 0)), 0)
+        files.close()
 
     async def scenario() -> None:
         dispatcher.start(0, requests, answers.receiver(0))

@@ -30,10 +30,12 @@ from reference import from_tensor, photo, to_tensor, torchvision_by_hand
 from safetensors.torch import save_file
 from serving import SOURCE, SUPPORT, Server, free_port, image_bytes, running_server, stop_server, wait_ready
 
-from imgserve.frontend.render import mask_on_original
+from imgserve import codec
+from imgserve.api import DEFAULT_MAX_IMAGE_PIXELS
 from imgserve.models import outputs
 from imgserve.models.loader import ModelLoadError
 from imgserve.models.preprocess import Preprocess
+from imgserve.models.render import mask_on_original
 
 PNG = {"Content-Type": "image/png"}
 
@@ -118,7 +120,7 @@ def test_segmenter_answers_a_class_mask_of_the_upload_size(segmenter) -> None:
     assert (response.status_code, response.headers["content-type"]) == (200, "image/png")
     mask = Image.open(io.BytesIO(response.content))
     assert (mask.mode, mask.size) == ("P", (120, 90))
-    prepared = preprocess(Image.open(io.BytesIO(data)).convert("RGB"))
+    prepared = preprocess(codec.open_image(data, DEFAULT_MAX_IMAGE_PIXELS))  # as decode_request does
     logits = run(model, to_tensor(prepared.pixels))["out"][0]
     expected = mask_on_original(logits.argmax(dim=0).to(torch.uint8).numpy(), prepared.geometry)
     got = np.asarray(mask)

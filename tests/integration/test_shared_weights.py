@@ -26,11 +26,13 @@ from safetensors.torch import save_file
 from serving import Server, image_bytes, running_server
 from test_models import _save_formats
 
+from imgserve.api import Request
 from imgserve.config import Settings
+from imgserve.models.builtin import LocalKinds, ModelAPI
 from imgserve.models.denoiser import build_denoiser
 from imgserve.models.loader import adopt, load_model
 from imgserve.models.shared import prepare
-from imgserve.worker.batching import BatchRunner, InMemory
+from imgserve.testing import InProcess
 from loadtests.lib.closed_loop import run_closed_loop
 from loadtests.lib.toy_models import heavy_weights, light_weights
 
@@ -134,11 +136,13 @@ def one_worker_pss(weight_file: Path, **settings: object) -> int:
 
 
 def expected_answer(weight_file: Path) -> np.ndarray:
-    """The heavy model run in-process on the probe, as the server runs it."""
+    """The heavy model run in-process on the probe, as the server runs it: the built-in API's own hooks."""
     settings = Settings(model=str(weight_file), model_factory=HEAVY)
+    api = ModelAPI(settings, LocalKinds(), pad=False)
     model = load_model(settings.model, settings.model_factory)
-    runner = BatchRunner.for_settings(model, torch.device("cpu"), settings, pad=False)
-    (answer,) = runner([InMemory(np.asarray(Image.open(io.BytesIO(PROBE)).convert("RGB")))])
+    api.model_loader = lambda device: model.to(device)
+    running = InProcess(api).setup()
+    (answer,) = running.predict([api.decode_request(Request(body=PROBE, content_type="image/png"))])
     return answer
 
 
