@@ -28,7 +28,7 @@ DRAIN_S = 20
 
 
 @contextlib.contextmanager
-def running_container(name: str, *options: str) -> Iterator[str]:
+def running_container(name: str, *options: str, image_name: str | None = None) -> Iterator[str]:
     """The image run on the host network, serving on a free loopback port (gRPC off: its default port may be another
     server's on the shared network); yields its URL once it is ready."""
     require_podman()
@@ -37,7 +37,7 @@ def running_container(name: str, *options: str) -> Iterator[str]:
         podman(
             "run", "--detach", f"--name={name}", "--network=host", f"--shm-size={SHM_BYTES // 2**20}m",
             f"--env=IMGSERVE_HOST={LOOPBACK}", f"--env=IMGSERVE_PORT={port}", "--env=IMGSERVE_GRPC_PORT=0",
-            *options, image(),
+            *options, image_name or image(),
         )  # fmt: skip
         url = f"http://{LOOPBACK}:{port}"
         wait_until(lambda: ready(name, url), 180, f"container {name} ready")
@@ -133,3 +133,23 @@ def queue_depth(url: str) -> float:
         match = re.search(r"^imgserve_queue_depth (\S+)$", httpx.get(f"{url}/metrics", timeout=5).text, re.MULTILINE)
         return float(match.group(1)) if match else 0.0
     return 0.0
+
+
+def test_a_users_api_in_an_image_built_from_imgserves_answers_with_its_own_rules(tmp_path) -> None:
+    """examples/Dockerfile, built in examples/ as the docs show: FROM the imgserve image, COPY of fields.py,
+    IMGSERVE_API naming its class; it answers the example's JSON, and its own 422 on a bad field."""
+    require_podman()
+    tag = "localhost/imgserve-fields:test"
+    podman(
+        "build", "--format=docker", "--network=host", f"--build-arg=IMGSERVE_IMAGE={image()}",
+        f"--tag={tag}", str(REPO / "examples"), timeout=300,
+    )  # fmt: skip
+    name = f"imgserve-fields-{os.getpid()}"
+    with running_container(name, image_name=tag) as url:
+        photo = {"file": ("photo.jpg", image_bytes(64, 48, fmt="JPEG"), "image/jpeg")}
+        answer = httpx.post(f"{url}/predict", files=photo, data={"threshold": "0.5", "box": "0,0,32,24"}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert set(answer.json()) >= {"threshold", "box", "bright_fraction", "mean_rgb"}
+        refused = httpx.post(f"{url}/predict", files=photo, data={"threshold": "2"}, timeout=60)
+        assert refused.status_code == 422 and "threshold" in refused.json()["error"]["message"]
+        assert httpx.get(f"{url}/info", timeout=10).json()["model"] == "fields.FieldsAPI"

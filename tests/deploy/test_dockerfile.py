@@ -9,6 +9,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 from serving import REPO
 from tools import tool
@@ -50,9 +51,11 @@ def chart_values() -> dict:
     return yaml.safe_load(CHART_VALUES.read_text())
 
 
-def test_hadolint_clean() -> None:
-    """hadolint reports nothing (the one ignore in the file carries its reason)."""
-    result = subprocess.run([tool("hadolint"), "-f", "json", str(DOCKERFILE)], capture_output=True, text=True)
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, REPO / "examples" / "Dockerfile"], ids=["imgserve", "a user's API"])
+def test_hadolint_clean(dockerfile: Path) -> None:
+    """hadolint reports nothing, for the image and for the documented image of a user's API FROM it (the one ignore
+    in the file carries its reason)."""
+    result = subprocess.run([tool("hadolint"), "-f", "json", str(dockerfile)], capture_output=True, text=True)
     assert json.loads(result.stdout or "[]") == [], result.stdout
     assert result.returncode == 0, result.stderr
 
