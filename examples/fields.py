@@ -62,6 +62,7 @@ class FieldsAPI(ImageAPI):
     """The bright share and mean color of an image, or of a box of it, above a threshold given with the request."""
 
     name = "fields"
+    request_model = Fields  # its fields show in /docs and /openapi.json
 
     def decode_request(self, request: Request) -> dict[str, Any]:
         """The crop's pixels (uint8 H x W x 3) and the threshold; the fields are checked first, then the box

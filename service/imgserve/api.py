@@ -218,6 +218,15 @@ class ImageAPI(ls.LitAPI):
         """The worker is idle: drop whatever buffers the hooks keep for reuse (optional)."""
 
 
+def hook_signature(hook: Callable[..., Any]) -> inspect.Signature:
+    """A hook's signature with its annotations resolved where they are strings (a module with `from __future__ import
+    annotations`): the types a plain LitAPI's route is registered with. Unresolvable ones stay strings."""
+    try:
+        return inspect.signature(hook, eval_str=True)
+    except Exception:  # a name the hook's module cannot resolve at run time
+        return inspect.signature(hook)
+
+
 def encoder(api: ImageAPI) -> Callable[[Any, Request], Any]:
     """The API's `encode_response` called as `encode(output, request)`, whether it takes the request or not."""
     encode: Callable[..., Any] = api.encode_response

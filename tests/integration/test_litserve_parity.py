@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import numpy as np
 from PIL import Image
-from serving import REPO, SUPPORT, image_bytes, start_server, stop_server, wait_ready, wait_until
+from serving import REPO, SUPPORT, image_bytes, running_server, start_server, stop_server, wait_ready, wait_until
 
 from imgserve.testing import free_port, start, stop
 from imgserve.testing import wait_ready as wait_for
@@ -167,3 +167,12 @@ def ready_reason(url: str) -> str:
     except httpx.HTTPError:
         return "starting"
     return body.get("reason", body["status"])
+
+
+def test_string_annotations_of_a_module_with_future_annotations_are_resolved(tmp_path: Path) -> None:
+    """`from __future__ import annotations` makes the request's type a string; imgserve resolves it, so the body is
+    validated as the pydantic class (LitServe itself takes the string for a query parameter)."""
+    with running_server(tmp_path, api="future_apis:FutureAnnotatedLitAPI") as server:
+        assert httpx.post(f"{server.url}/predict", json={"input": 4}).json() == {"output": 8.0}
+        refused = httpx.post(f"{server.url}/predict", json={"input": "four"})
+        assert refused.status_code == 422 and refused.json()["detail"][0]["loc"] == ["body", "input"]

@@ -21,6 +21,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from imgserve.api import hook_signature
 from imgserve.config import Settings
 from imgserve.errors import ApiError
 from imgserve.frontend import telemetry
@@ -34,9 +35,9 @@ class LitServeRoute:
 
     def __init__(self, api: ls.LitAPI, inference: Inference, settings: Settings) -> None:
         self.api, self.inference, self.settings = api, inference, settings
-        decode = inspect.signature(api.decode_request).parameters.get("request")
+        decode = hook_signature(api.decode_request).parameters.get("request")
         self.request_type = decode.annotation if decode and decode.annotation is not decode.empty else Request
-        returned = inspect.signature(api.encode_response).return_annotation
+        returned = hook_signature(api.encode_response).return_annotation
         self.response_type = Response if returned is inspect.Signature.empty else returned
         self.steps: Steps[dict[str, Any]] = Steps(lambda item: item, lambda answer, item: answer, _size)
 

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from starlette.datastructures import FormData, Headers, UploadFile
 from starlette.responses import Response
 
-from imgserve.api import ImageAPI
+from imgserve.api import ImageAPI, hook_signature
 
 
 class ImageHooks:
@@ -101,7 +101,7 @@ class LitServeHooks:
 
 def request_model(api: ls.LitAPI) -> type[BaseModel] | None:
     """The pydantic model `decode_request` annotates its request with, if any (LitServe validates the body as it)."""
-    parameter = inspect.signature(api.decode_request).parameters.get("request")
+    parameter = hook_signature(api.decode_request).parameters.get("request")
     annotation = None if parameter is None else parameter.annotation
     return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
 
