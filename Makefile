@@ -58,8 +58,8 @@ $(TOOLS)/chromium:
 	if command -v chromium >/dev/null; then ln -sf "$$(command -v chromium)" $@; fi
 
 lint: $(VENV)/.installed
-	$(BIN)/ruff check service tests loadtests scripts charts/imgserve/dashboards
-	$(BIN)/ruff format --check service tests loadtests scripts charts/imgserve/dashboards
+	$(BIN)/ruff check service tests loadtests scripts examples charts/imgserve/dashboards
+	$(BIN)/ruff format --check service tests loadtests scripts examples charts/imgserve/dashboards
 	$(BIN)/mypy
 
 # The inner loop: lint, the type check and the unit tests (no server, image or cluster tool), in about a minute.

@@ -21,7 +21,7 @@ from imgserve.api import ImageAPI
 from imgserve.config import Settings
 from imgserve.engine import EngineServer
 from imgserve.errors import install_handlers
-from imgserve.frontend import openapi, telemetry
+from imgserve.frontend import docs_page, openapi, telemetry
 from imgserve.frontend.admission import Admission, AdmissionMiddleware
 from imgserve.frontend.auth import ApiKeyMiddleware, KeyProblem, Keys
 from imgserve.frontend.connections import GuardedHttpToolsProtocol
@@ -134,7 +134,7 @@ class ImageServer(EngineServer):
             self.app.router.routes.append(Route(path, endpoint, methods=["GET"]))
         if self.settings.docs:  # after every other route: the document describes them
             described = openapi.document(self.settings, api, name, self.app.routes)
-            self.app.router.routes.extend(openapi.docs_routes(described))
+            self.app.router.routes.extend(docs_page.routes(described))
 
     def hand_off(self, front_ends: int) -> tuple[RequestSocket, AnswerSockets]:
         return RequestSocket(self.directory.root), AnswerSockets(self.directory.root, front_ends)

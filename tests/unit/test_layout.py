@@ -187,3 +187,29 @@ def test_the_checker_sees_a_cycle_between_rooms(tmp_path: Path) -> None:
 
 def test_loadtests_have_no_import_cycles() -> None:
     assert cycles(import_graph(REPO, "loadtests")) == []
+
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES = 400, 60
+
+
+def oversized(root: Path) -> list[str]:
+    """Modules over MAX_MODULE_LINES lines and functions over MAX_FUNCTION_LINES, under `root`."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > MAX_MODULE_LINES:
+            found.append(f"{path.relative_to(root)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    found.append(f"{path.relative_to(root)}: {node.name} is {length} lines")
+    return found
+
+
+def test_modules_and_functions_stay_small(tmp_path: Path) -> None:
+    """No module over 400 lines, no function over 60, in the package; and the check sees a planted one."""
+    assert oversized(PACKAGE) == []
+    body = "\n".join(f"    x = {i}" for i in range(MAX_FUNCTION_LINES))
+    (tmp_path / "long.py").write_text(f"def long():\n{body}\n" + "\n" * MAX_MODULE_LINES)
+    assert oversized(tmp_path) == ["long.py: 461 lines", f"long.py: long is {MAX_FUNCTION_LINES + 1} lines"]

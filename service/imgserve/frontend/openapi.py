@@ -1,6 +1,5 @@
-"""GET /openapi.json, the OpenAPI 3.1 document of what this server serves, and GET /docs, Swagger UI over it, from
-the Swagger UI files that the swagger-ui-py package ships (served under /docs/assets: no CDN, so the page renders on
-a cluster without internet).
+"""The OpenAPI 3.1 document of what this server serves (GET /openapi.json; frontend/docs_page.py serves it and
+Swagger UI over it).
 
 imgserve's own routes are plain Starlette routes: each is described here as a FastAPI route on an endpoint that
 never runs, typed as the real route reads and answers (a plain LitAPI's route is FastAPI's already). FastAPI's
@@ -12,24 +11,20 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Mapping, Sequence
-from importlib.resources import files
 from typing import Annotated, Any, Literal
 
 from fastapi import File, Form, Header, Path, Query, UploadFile
-from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, Field, RootModel
-from starlette.requests import Request
-from starlette.responses import HTMLResponse, PlainTextResponse, Response
-from starlette.routing import BaseRoute, Mount, Route
-from starlette.staticfiles import StaticFiles
+from starlette.responses import PlainTextResponse
+from starlette.routing import BaseRoute
 
 from imgserve.api import ImageAPI
 from imgserve.config import Settings
 from imgserve.errors import ApiError
 from imgserve.frontend.auth import guarded_routes
-from imgserve.frontend.telemetry import DOCS_ASSETS, PREDICT_PATHS, route
+from imgserve.frontend.telemetry import PREDICT_PATHS, route
 from imgserve.frontend.v2 import schemas as v2
 from imgserve.frontend.v2.http import HEADER_LENGTH
 from imgserve.frontend.v2.http import NOT_READY as V2_NOT_READY
@@ -39,7 +34,6 @@ from imgserve.models.loader import ModelLoadError
 from imgserve.models.render import PredictParams
 from imgserve.version import __version__
 
-OPENAPI_PATH, DOCS_PATH = "/openapi.json", "/docs"
 TAGS = [
     {"name": "predict", "description": "Send an image, get the model's answer."},
     {"name": "health", "description": "Liveness, readiness, what runs, its metrics."},
@@ -384,28 +378,3 @@ def _tidy(found: dict[str, Any], fastapi_paths: set[str]) -> None:
     for name in ("HTTPValidationError", "ValidationError"):  # unused now, or a user's model of the same name
         if f'/{name}"' not in json.dumps(found["paths"]) + json.dumps({k: v for k, v in schemas.items() if k != name}):
             schemas.pop(name, None)
-
-
-def docs_routes(described: dict[str, Any]) -> list[BaseRoute]:
-    """GET /openapi.json (`described`), GET /docs (Swagger UI's page over it) and Swagger UI's files."""
-    body = json.dumps(described).encode()
-    page = get_swagger_ui_html(
-        openapi_url=OPENAPI_PATH,
-        title=described["info"]["title"],
-        swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
-        swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
-        swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
-        swagger_ui_parameters={"validatorUrl": None},  # Swagger UI would send the document to an online validator
-    ).body
-
-    async def openapi_json(request: Request) -> Response:
-        return Response(body, media_type="application/json")
-
-    async def docs(request: Request) -> Response:
-        return HTMLResponse(page)
-
-    return [
-        Route(OPENAPI_PATH, openapi_json, methods=["GET"]),
-        Route(DOCS_PATH, docs, methods=["GET"]),
-        Mount(DOCS_ASSETS, app=StaticFiles(directory=str(files("swagger_ui") / "static"))),
-    ]
