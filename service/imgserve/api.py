@@ -29,9 +29,10 @@ from PIL import Image
 from pydantic import BaseModel
 
 from imgserve import codec
+from imgserve.config import Settings
 from imgserve.errors import ApiError
 
-DEFAULT_MAX_IMAGE_PIXELS = 16_777_216
+DEFAULT_MAX_IMAGE_PIXELS: int = Settings.model_fields["max_image_pixels"].default  # --max-image-pixels
 EXAMPLE_SIDE = 256
 IMAGE_TYPES = ("image/", "application/octet-stream")
 
