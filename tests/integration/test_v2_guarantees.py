@@ -77,6 +77,14 @@ def wait_for_depth(server: Server, depth: int) -> None:
         time.sleep(0.05)
 
 
+def wait_until_computing(server: Server) -> None:
+    """Until the worker is in a batch: a request admitted first may still reach the worker after later ones."""
+    deadline = time.monotonic() + 20
+    while server.metric("imgserve_inflight_requests") == 0:
+        assert time.monotonic() < deadline, "the worker never started a batch"
+        time.sleep(0.02)
+
+
 def settle(server: Server) -> None:
     wait_for_depth(server, 0)
     assert server.slots_freed()
@@ -109,7 +117,7 @@ def test_deadlines_answer_504_and_drop_the_work_before_the_model(server: Server,
     deadline_before = server.metric("imgserve_rejected_total", reason="deadline")
     with ThreadPoolExecutor(4) as pool:
         busy = pool.submit(infer, server, 1)  # the worker is busy for DELAY_S with this one
-        wait_for_depth(server, 1)
+        wait_until_computing(server)
         by_parameter = pool.submit(infer, server, 1, timeout=200_000)  # Triton's timeout, in microseconds
         by_header = pool.submit(infer, server, 1, {"X-Request-Timeout": "0.2"})
         with pytest.raises(grpc.RpcError) as caught:
@@ -122,6 +130,32 @@ def test_deadlines_answer_504_and_drop_the_work_before_the_model(server: Server,
     time.sleep(DELAY_S)  # had the worker taken an expired request, it would be computing it now
     assert server.metric("imgserve_batch_size_sum") - computed_before == 1, "an expired request was computed"
     assert server.metric("imgserve_rejected_total", reason="deadline") - deadline_before >= 3
+
+
+def test_a_grpc_call_ended_by_grpc_is_counted_as_what_ended_it(server: Server, stub) -> None:
+    """gRPC cancels the handler when the client's deadline passes or the client leaves, sometimes before imgserve's
+    own timer fires: a deadline is still counted 504 (and a deadline rejection), a client that left 499, never 200."""
+    settle(server)
+
+    def infer_codes(code: str) -> float:
+        return server.metric("imgserve_requests_total", route="grpc/ModelInfer", code=code)
+
+    before = {code: infer_codes(code) for code in ("200", "499", "504")}
+    deadline_before = server.metric("imgserve_rejected_total", reason="deadline")
+    with ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(infer, server, 1)
+        wait_until_computing(server)
+        left = stub.ModelInfer.future(grpc_request(1), timeout=30)
+        wait_for_depth(server, 2)
+        late = [stub.ModelInfer.future(grpc_request(1), timeout=0.2) for _ in range(QUEUE - 2)]
+        left.cancel()
+        assert [call.exception().code() for call in late] == [grpc.StatusCode.DEADLINE_EXCEEDED] * len(late)
+        assert busy.result().status_code == 200
+    settle(server)
+    assert infer_codes("504") - before["504"] == len(late)
+    assert infer_codes("499") - before["499"] == 1
+    assert infer_codes("200") == before["200"]
+    assert server.metric("imgserve_rejected_total", reason="deadline") - deadline_before == len(late)
 
 
 def test_a_grpc_server_side_deadline_is_deadline_exceeded(server: Server, stub) -> None:

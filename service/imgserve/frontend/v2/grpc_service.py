@@ -65,6 +65,9 @@ CONTENTS = {  # the typed field of InferTensorContents that carries each datatyp
 }
 GRACE_S = 5.0  # how long in-flight calls get when the front end stops
 INFER = "/inference.GRPCInferenceService/ModelInfer"
+# A client's own timer ends its call at the deadline, which reaches the server as a cancellation a transit time before
+# the server's copy of that deadline: a call cancelled this close to its deadline is counted as having run out of time.
+DEADLINE_SLACK_S = 0.05
 GUARDED = frozenset({INFER})  # the RPCs that need a key, as over HTTP: inference; health, metadata, config stay open
 # The largest message gRPC and protobuf carry. An answer is bounded before its compute, as over HTTP, by the request's
 # images (at most the pod's queue) x the pixel limit; a smaller send limit could only refuse an answer already made.
@@ -74,7 +77,8 @@ Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
 def _rpc(label: str) -> Callable[[Handler], Handler]:
-    """Count and time the call under `label`, and turn an ApiError into the gRPC status for its HTTP status."""
+    """Count and time the call under `label`, and turn an ApiError into the gRPC status for its HTTP status. A call
+    gRPC cancels counts as 504 (and a deadline rejection) when its deadline ran out, else as 499 (the client left)."""
 
     def wrap(method: Handler) -> Handler:
         @functools.wraps(method)
@@ -82,6 +86,13 @@ def _rpc(label: str) -> Callable[[Handler], Handler]:
             started, status = time.perf_counter(), 200
             try:
                 return await method(self, request, context)
+            except asyncio.CancelledError:  # gRPC ended the call: its deadline passed first, or the client left
+                remaining = context.time_remaining()
+                expired = remaining is not None and remaining <= DEADLINE_SLACK_S
+                status = 504 if expired else 499
+                if expired:
+                    metrics.REJECTED.labels("deadline").inc()
+                raise
             except ApiError as error:
                 status = error.status
                 if error.retry_after is not None:
