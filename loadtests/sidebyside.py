@@ -3,7 +3,8 @@
 `python -m loadtests.sidebyside [--before DIR] [--rounds 3] [--seconds 10] --out loadtests/results/sidebyside.md`
 
 What a change did to speed is read side by side, never against a figure measured earlier on a machine whose speed
-drifts: each round starts a fresh server of every contender in turn and runs every cell on it.
+drifts: each round starts a fresh server of every contender in turn (in reverse order every other round, so none
+always runs first) and runs every cell on it.
 - With `--before DIR` (a checkout of the code before a change, e.g. `git worktree add /tmp/before <commit>`), the
   built-in denoiser of that tree against this one's: one user (c=1) and 64 users on the benchmark's images.
 - Always, in this tree: a near-free model (x.clamp(0, 1)) served as a model file by the built-in API, against the
@@ -139,8 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as directory:
         work = Path(directory)
         servers = contenders(args.before, work)
-        for _ in range(args.rounds):
-            for contender in servers:
+        for index in range(args.rounds):
+            for contender in servers if index % 2 == 0 else servers[::-1]:  # turns alternate: no contender always first
                 run_round(contender, plan, args.seconds, work, results)
     command = shlex.join(["python", "-m", "loadtests.sidebyside", *(argv or sys.argv[1:])])
     text = (
