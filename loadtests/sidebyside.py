@@ -89,6 +89,11 @@ def cells(before: Path | None) -> list[Cell]:
     ]
 
 
+def turns(servers: list[Contender], index: int) -> list[Contender]:
+    """The contenders in round `index`'s order: reversed every other round, so none always runs first."""
+    return servers if index % 2 == 0 else servers[::-1]
+
+
 def run_round(contender: Contender, plan: list[Cell], seconds: float, work: Path, results: Results) -> None:
     """A fresh server of `contender`, every cell of the plan it is in."""
     port = free_port()
@@ -141,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         work = Path(directory)
         servers = contenders(args.before, work)
         for index in range(args.rounds):
-            for contender in servers if index % 2 == 0 else servers[::-1]:  # turns alternate: no contender always first
+            for contender in turns(servers, index):
                 run_round(contender, plan, args.seconds, work, results)
     command = shlex.join(["python", "-m", "loadtests.sidebyside", *(argv or sys.argv[1:])])
     text = (

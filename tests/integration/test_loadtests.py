@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from imgserve.testing import RunningServer, free_port, serve_command
-from loadtests import bench, capacity, gpu_check, latency, overhead
+from loadtests import bench, capacity, gpu_check, latency, overhead, sidebyside
 from loadtests.lib import closed_loop
 from loadtests.lib.closed_loop import LoadResult, Outcome, run_closed_loop
 from loadtests.lib.images import check_answer, sample_images
@@ -87,6 +87,32 @@ def test_bench_quick_compares_all_four(tmp_path: Path) -> None:
     assert "imgserve accepted p99 in the retry storm vs at capacity (20 users)" in report
     assert "retry storm's CPU per rejection, beyond the work of its answers: server " in report
     assert report.count("**met**") + report.count("**missed**") == 7
+
+
+@pytest.mark.timeout(240)
+def test_sidebyside_serves_every_contender_and_compares_each_pair(tmp_path: Path) -> None:
+    out = tmp_path / "sidebyside.md"
+    assert sidebyside.main(["--rounds", "1", "--seconds", "1", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
+    for cell, contender in (
+        ("denoiser, bench images, c=1", "denoiser"),
+        ("denoiser, bench images, c=64", "denoiser"),
+        ("near-free, 128x128, c=64", "near-free model file"),
+        ("near-free, 128x128, c=64", "near-free ImageAPI"),
+    ):
+        (row,) = [row for row in rows if row.startswith(f"| {cell} | {contender} |")]
+        answers_per_s, cpu_ms = float(row.split("|")[4]), float(row.split("|")[7])
+        assert answers_per_s > 0 and cpu_ms > 0
+    assert any(row.startswith("| | near-free ImageAPI / near-free model file | | ") for row in rows)
+
+
+def test_sidebyside_turns_alternate_so_no_contender_always_runs_first() -> None:
+    servers = [sidebyside.Contender(name, Path("."), {}) for name in ("a", "b", "c")]
+    assert [[c.name for c in sidebyside.turns(servers, index)] for index in range(3)] == [
+        ["a", "b", "c"],
+        ["c", "b", "a"],
+        ["a", "b", "c"],
+    ]
 
 
 def test_imgserve_is_held_to_the_higher_of_the_two_limit_measurements() -> None:
