@@ -66,7 +66,7 @@ def test_deadline_passed_in_queue_is_504_and_never_computed(tmp_path, toy_model)
                 first = asyncio.create_task(
                     client.post(f"{server.url}/predict", content=image_bytes(8, 8), headers=PNG)
                 )
-                await asyncio.sleep(0.3)
+                await asyncio.to_thread(server.wait_until_computing)  # the first is in predict; the next waits
                 late = asyncio.create_task(
                     client.post(
                         f"{server.url}/predict", content=image_bytes(9, 9), headers={**PNG, "X-Request-Timeout": "0.3"}

@@ -78,7 +78,7 @@ def test_a_deadline_passed_in_the_queue_is_504_and_never_reaches_predict(
         async def scenario() -> tuple[httpx.Response, httpx.Response]:
             async with httpx.AsyncClient(timeout=30) as client:
                 first = asyncio.create_task(post(client, server, "first"))
-                await asyncio.sleep(0.3)  # the first is in predict; the next waits behind it
+                await asyncio.to_thread(server.wait_until_computing)  # the first is in predict; the next waits
                 late = asyncio.create_task(post(client, server, "late", **{"X-Request-Timeout": "0.3"}))
                 return await first, await late
 

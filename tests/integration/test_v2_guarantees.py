@@ -77,14 +77,6 @@ def wait_for_depth(server: Server, depth: int) -> None:
         time.sleep(0.05)
 
 
-def wait_until_computing(server: Server) -> None:
-    """Until the worker is in a batch: a request admitted first may still reach the worker after later ones."""
-    deadline = time.monotonic() + 20
-    while server.metric("imgserve_inflight_requests") == 0:
-        assert time.monotonic() < deadline, "the worker never started a batch"
-        time.sleep(0.02)
-
-
 def settle(server: Server) -> None:
     wait_for_depth(server, 0)
     assert server.slots_freed()
@@ -117,7 +109,7 @@ def test_deadlines_answer_504_and_drop_the_work_before_the_model(server: Server,
     deadline_before = server.metric("imgserve_rejected_total", reason="deadline")
     with ThreadPoolExecutor(4) as pool:
         busy = pool.submit(infer, server, 1)  # the worker is busy for DELAY_S with this one
-        wait_until_computing(server)
+        server.wait_until_computing()
         by_parameter = pool.submit(infer, server, 1, timeout=200_000)  # Triton's timeout, in microseconds
         by_header = pool.submit(infer, server, 1, {"X-Request-Timeout": "0.2"})
         with pytest.raises(grpc.RpcError) as caught:
@@ -144,7 +136,7 @@ def test_a_grpc_call_ended_by_grpc_is_counted_as_what_ended_it(server: Server, s
     deadline_before = server.metric("imgserve_rejected_total", reason="deadline")
     with ThreadPoolExecutor(1) as pool:
         busy = pool.submit(infer, server, 1)
-        wait_until_computing(server)
+        server.wait_until_computing()
         left = stub.ModelInfer.future(grpc_request(1), timeout=30)
         wait_for_depth(server, 2)
         late = [stub.ModelInfer.future(grpc_request(1), timeout=0.2) for _ in range(QUEUE - 2)]

@@ -48,6 +48,14 @@ class Server(RunningServer):
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
         )
 
+    def wait_until_computing(self, timeout: float = 20) -> None:
+        """Until a worker is in a batch: a request sent first may still reach a worker after one sent later, so a
+        test that needs a busy worker waits for this rather than for a fixed time."""
+        deadline = time.monotonic() + timeout
+        while self.metric("imgserve_inflight_requests") == 0:
+            assert time.monotonic() < deadline, "no worker started a batch"
+            time.sleep(0.02)
+
     def slots_freed(self, timeout: float = 20) -> bool:
         """Wait until no shared-memory slot is held (every answer, even to given-up requests, came back)."""
         deadline = time.monotonic() + timeout
