@@ -37,10 +37,10 @@ def test_flood_sheds_with_503_and_answers_everything(tmp_path) -> None:
         assert {o.status for o in flood.outcomes} == {200, 503}
         assert len(flood.outcomes) == len(flood.answered) + flood.shed
         assert server.metric("imgserve_rejected_total", reason="queue_full") >= flood.shed
-        # The queue bound holds latency: the flood's accepted p99 stays near the p99 at capacity (0.7-1.05x here),
-        # where queueing all 80 users would make it ~10x. 3x leaves room for a stall of a shared CI machine (one
-        # run read 3.6x with no warm-up, while the same check read 0.70-1.05x six times in a row).
-        assert flood.latency_ms(0.99) < 3 * at_capacity.latency_ms(0.99)
+        # The queue bound holds latency: the flood's accepted p90 stays near the p90 at capacity (0.95-1.04x here),
+        # where a queue of 1000 reads 8.3x. p90, not p99: one stall of a shared 2-core CI machine moves a p99 (CI
+        # read 4x once; here 2.1-2.4x) but not a p90.
+        assert flood.latency_ms(0.9) < 4 * at_capacity.latency_ms(0.9)
         assert server.metric("imgserve_queue_depth") == 0
 
 
