@@ -3,15 +3,13 @@
     python scripts/settings_doc.py > docs/settings.md      # or: make docs
 
 The flags are read from the parser `imgserve serve` builds, so the page names them exactly as the command takes
-them. Fields keep their declaration order; the comment lines that group them in config.py become the headings.
+them. Each concern of config.py is a section, headed by its docstring's first line; fields keep their order.
 tests/test_docs.py fails when docs/settings.md differs from this script's output.
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
-import re
 import sys
 import types
 import typing
@@ -23,12 +21,9 @@ import annotated_types  # noqa: E402
 from pydantic.fields import FieldInfo  # noqa: E402
 
 from imgserve import cli  # noqa: E402
-from imgserve.config import Settings  # noqa: E402
+from imgserve.config import CONCERNS, Settings  # noqa: E402
 
 ENV_PREFIX = "IMGSERVE_"
-UNGROUPED = "Other"
-FIELD_LINE = re.compile(r"^    (\w+)\s*:")
-COMMENT_LINE = re.compile(r"^    #\s?(.*)$")
 TABLE_HEAD = "| flag | environment variable | default | accepts | meaning |"
 
 HEADER = """\
@@ -39,7 +34,8 @@ Every setting is a flag of `imgserve serve` and an environment variable `IMGSERV
 environment, the environment over the default). Booleans are bare flags (`--trust-pickle`, `--no-channels-last`);
 their environment variables take `true`/`false`. An invalid value stops `imgserve serve` with one line naming the
 flag, e.g. `imgserve: invalid settings: --device: Input should be 'auto', 'cpu' or 'cuda' (got 'tpu')`, and exit
-code 2 (more in [Start-up errors](models.md#start-up-errors)). In the Helm chart, the `settings:` map takes the
+code 2 (more in [Start-up errors](models.md#start-up-errors)). The built-in model's settings describe the model
+`--model` serves: given together with `--api`, they stop the start the same way. In the Helm chart, the `settings:` map takes the
 field names (`max_batch_size: 16`) and renders them as these variables (see
 [Kubernetes](kubernetes.md#the-deployment-and-its-pods)).
 
@@ -58,34 +54,9 @@ def flags() -> dict[str, str]:
 
 
 def groups() -> list[tuple[str, list[str]]]:
-    """Fields in declaration order, grouped by the comment line above each group in the class source."""
-    names = list(Settings.model_fields)
-    try:
-        lines = inspect.getsource(Settings).splitlines()
-    except (OSError, TypeError):
-        return [(UNGROUPED, names)]
-    result: list[tuple[str, list[str]]] = []
-    comment: list[str] = []
-    after_blank = True
-    for line in lines:
-        if not line.strip():
-            comment, after_blank = [], True
-            continue
-        if found := COMMENT_LINE.match(line):
-            comment.append(found.group(1).strip())
-            continue
-        field = FIELD_LINE.match(line)
-        if field and field.group(1) in Settings.model_fields:
-            if comment:
-                result.append((" ".join(comment).rstrip("."), []))
-            elif after_blank or not result:
-                result.append((UNGROUPED, []))
-            result[-1][1].append(field.group(1))
-        comment, after_blank = [], False
-    placed = {name for _, members in result for name in members}
-    if placed != set(names):  # the source did not show every field: fall back to one table in declaration order
-        return [(UNGROUPED, names)]
-    return result
+    """Fields concern by concern (config.CONCERNS), in declaration order, under the first line of each concern's
+    docstring."""
+    return [((concern.__doc__ or "").splitlines()[0].rstrip("."), list(concern.model_fields)) for concern in CONCERNS]
 
 
 def _bounds(field: FieldInfo) -> str:

@@ -35,6 +35,7 @@ from imgserve.errors import ApiError
 DEFAULT_MAX_IMAGE_PIXELS: int = Settings.model_fields["max_image_pixels"].default  # --max-image-pixels
 EXAMPLE_SIDE = 256
 IMAGE_TYPES = ("image/", "application/octet-stream")
+FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,7 @@ class Request:
         Whatever the bytes, a 4xx ApiError rather than a crash (400 corrupt, 413 over the limit, 415, 422)."""
         if self.protocol == "v2":
             return self._input_image()
-        if self.files or self.content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        if self.files or self.content_type in FORM_TYPES:
             upload = self.file(name)
             if upload is None:
                 fields = ", ".join([*(f.field for f in self.files), *self.form]) or "none"
@@ -155,7 +156,8 @@ class ImageAPI(ls.LitAPI):
     `model_factory` (a model file that imgserve loads once per device and shares among the workers, see
     `load_model`), `group_by_shape` (False when your `batch` pads items of different shapes itself), and
     `request_model` (a pydantic model of the fields `decode_request` reads beside the image, from the query string or
-    the form: /openapi.json and /docs list them).
+    the form: /openapi.json and /docs list them), `response_types` (the media types `encode_response` answers
+    with, for /openapi.json) and `precision` (what /info and imgserve_model_info say the model runs in).
     """
 
     name: ClassVar[str | None] = None
@@ -166,15 +168,24 @@ class ImageAPI(ls.LitAPI):
     model_factory: ClassVar[str | None] = None
     group_by_shape: ClassVar[bool] = True
     request_model: ClassVar[type[BaseModel] | None] = None
+    response_types: ClassVar[tuple[str, ...]] = ("application/json",)
+    precision: ClassVar[str | None] = None
 
-    def __init__(self, max_batch_size: int | Literal["auto"] | None = None, batch_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        max_batch_size: int | Literal["auto"] | None = None,
+        batch_timeout: float | None = None,
+        api_path: str = "/predict",
+    ) -> None:
         """`max_batch_size` (a count or "auto": the largest that fits the memory measured at start) and
-        `batch_timeout` (seconds a batch may wait to fill): None leaves them to the server's settings."""
+        `batch_timeout` (seconds a batch may wait to fill): None leaves them to the server's settings. `api_path` is
+        where it answers over HTTP, as in LitServe."""
         with warnings.catch_warnings():  # LitServe warns about batch/unbatch without a max_batch_size: ours are fine
             warnings.simplefilter("ignore", UserWarning)
             super().__init__(
                 max_batch_size=max_batch_size if isinstance(max_batch_size, int) else 1,
                 batch_timeout=batch_timeout or 0.0,
+                api_path=api_path,
             )
         self.batching: tuple[int | Literal["auto"] | None, float | None] = (max_batch_size, batch_timeout)
         self.model_loader: Callable[[str], torch.nn.Module] | None = None  # set by imgserve in each worker
@@ -203,9 +214,9 @@ class ImageAPI(ls.LitAPI):
         one value, for a single declared output). Default: the output as JSON."""
         return output
 
-    def example_request(self) -> Request:
+    def example_request(self) -> Request | None:
         """A typical request, decoded and run at start to measure the memory a batch needs (default: a 256x256
-        image)."""
+        image); None when there is nothing to measure: the batches are then bounded by their size alone."""
         return Request.for_image(np.full((EXAMPLE_SIDE, EXAMPLE_SIDE, 3), 128, dtype=np.uint8))
 
     def load_model(self, device: str) -> torch.nn.Module:
@@ -217,6 +228,10 @@ class ImageAPI(ls.LitAPI):
 
     def release_memory(self) -> None:
         """The worker is idle: drop whatever buffers the hooks keep for reuse (optional)."""
+
+    def describe(self) -> str:
+        """What /info and imgserve_model_info call the served model: its model file, else its class."""
+        return self.model or f"{type(self).__module__}.{type(self).__qualname__}"
 
 
 def hook_signature(hook: Callable[..., Any]) -> inspect.Signature:

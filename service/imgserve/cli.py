@@ -13,20 +13,23 @@ from litserve import LitAPI
 from pydantic import ValidationError
 from pydantic_settings import SettingsError
 
-from imgserve.config import Settings
+from imgserve.config import CONCERNS, Settings
 from imgserve.handoff.directory import ServerDirectory
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    """One --flag per setting (--x/--no-x for booleans); unset ones fall back to IMGSERVE_<NAME>, then the default.
-    A description is help text as written: its `%` is escaped, since argparse %-formats help."""
-    for name, field in Settings.model_fields.items():
-        flag = f"--{name.replace('_', '-')}"
-        text = (field.description or "").replace("%", "%%")
-        if field.annotation is bool:
-            parser.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=text)
-        else:
-            parser.add_argument(flag, dest=name, default=None, help=text)
+    """One --flag per setting (--x/--no-x for booleans), a group of them per concern; unset ones fall back to
+    IMGSERVE_<NAME>, then the default. A description is help text as written: its `%` is escaped, since argparse
+    %-formats help."""
+    for concern in CONCERNS:
+        group = parser.add_argument_group((concern.__doc__ or concern.__name__).splitlines()[0].rstrip("."))
+        for name, field in concern.model_fields.items():
+            flag = f"--{name.replace('_', '-')}"
+            text = (field.description or "").replace("%", "%%")
+            if field.annotation is bool:
+                group.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=text)
+            else:
+                group.add_argument(flag, dest=name, default=None, help=text)
 
 
 def settings_problem(error: ValidationError | SettingsError) -> str:

@@ -1,12 +1,20 @@
-"""Settings: every knob of the server, from `imgserve serve` flags or `IMGSERVE_<NAME>` environment variables."""
+"""Settings by concern: every knob of the server and of the built-in model, from `imgserve serve` flags or
+`IMGSERVE_<NAME>` environment variables.
+
+Each concern is a small pydantic model (`Listening`, `Placement`, `Batching`, `Queueing`, `RequestLimits`,
+`ConnectionLimits`, `Access`, `Logging`, and `BuiltinModel`, the built-in model's own); `ServerSettings` is the
+server's concerns together, `Settings` everything `imgserve serve` takes. A module takes the part it needs
+(`settings.part(ConnectionLimits)`), never the whole. The built-in model's settings apply only where no `--api` is
+given: `Settings.model_settings_given` names those given.
+"""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 BUILTIN_MODEL = "builtin:denoiser"
@@ -27,22 +35,32 @@ PRESETS: dict[str, dict[str, object]] = {
     },
 }
 Channels = Annotated[tuple[float, float, float], NoDecode]  # "R,G,B" from a flag or an environment variable
+Part = TypeVar("Part", bound=BaseModel)
 
 
-def _without_traceback(record: logging.LogRecord) -> bool:
-    record.exc_info = record.exc_text = None
-    return True
+def _count_or_auto(value: object, info: ValidationInfo) -> object:
+    """A positive count or "auto" (a digit string from a flag or the environment is the count)."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, int) and value < 1:
+        raise ValueError(f"{info.field_name} must be >= 1 or 'auto'")
+    return value
 
 
-class Settings(BaseSettings):
-    """What the server serves, on what device, and the limits that keep it alive under load."""
+CountOrAuto = Annotated[int | Literal["auto"], BeforeValidator(_count_or_auto)]
 
-    model_config = SettingsConfigDict(env_prefix="IMGSERVE_", extra="ignore", protected_namespaces=())
 
-    # Where it listens.
-    host: Literal["0.0.0.0", "127.0.0.1", "::"] = Field(
-        "0.0.0.0", description="Address to bind (LitServe takes these three)."
-    )
+class Concern(BaseModel):
+    """A group of settings that one part of the server reads; its docstring's first line is its heading in
+    docs/settings.md."""
+
+    model_config = ConfigDict(protected_namespaces=())
+
+
+class Listening(Concern):
+    """Where it listens."""
+
+    host: Literal["0.0.0.0", "127.0.0.1", "::"] = Field("0.0.0.0", description="Address to bind.")
     port: int = Field(8000, ge=1024, le=65535, description="TCP port.")
     grpc_port: int = Field(
         8001,
@@ -51,20 +69,22 @@ class Settings(BaseSettings):
         description="TCP port of the Open Inference Protocol's gRPC service (served by the first HTTP front end); "
         "0 = off.",
     )
-    api_servers: int | Literal["auto"] = Field(
+    api_servers: CountOrAuto = Field(
         "auto",
         description=f"HTTP front-end processes (they share the port); auto = on a CPU {CPU_FRONT_ENDS} (at most one "
         "per core: one event loop is what limits a cheap model), on a GPU the cores the inference workers leave "
         f"free, at least 1, at most {MAX_FRONT_ENDS}.",
     )
 
-    # What it serves.
+
+class Serving(Concern):
+    """What it serves."""
+
     api: str | None = Field(
         None,
         description="module:Class of your own imgserve.ImageAPI, or of a plain litserve.LitAPI, to serve instead "
         "of --model (the module is found in the current directory first); docs/custom-api.md.",
     )
-    model: str = Field(BUILTIN_MODEL, description="builtin:denoiser, or a path to .pt/.pt2/.safetensors/.pth.")
     model_name: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
@@ -72,52 +92,24 @@ class Settings(BaseSettings):
         "default: denoiser for the built-in model, else the model file's name without its extension, or an --api's "
         "`name` (its class name when it sets none).",
     )
-    model_factory: str | None = Field(
-        None, description="module:function that builds the nn.Module for a state-dict/safetensors file."
-    )
     trust_pickle: bool = Field(
         False,
         description="Load model files that can run code: a whole pickled model, or a .pt2 in any form other than "
         "the plain one torch.export.save writes (runs code from the file!).",
     )
-    labels: str | None = Field(None, description="Text file with one class label per line (classifiers).")
-    input_size: int | None = Field(
-        None,
-        ge=8,
-        description="The model's square input: a centre crop of that size after --resize-size, else every image "
-        "is resized to it (fixed-size models); also the warm-up probe's size (256 when unset).",
-    )
 
-    # Preprocessing (named as torchvision's weight transforms) and what the output is.
-    preprocess: Literal["none", "imagenet"] = Field(
-        "none",
-        description="Preset: imagenet = resize 256, crop 224, bilinear, ImageNet mean/std; explicit settings win.",
-    )
-    resize_size: int | None = Field(
-        None, ge=8, description="Resize the shorter side to this, keeping the aspect ratio (torchvision Resize(N))."
-    )
-    interpolation: Literal["bilinear", "bicubic", "nearest"] = Field(
-        "bilinear", description="Resampling filter of the resize (Pillow's, as torchvision uses on PIL images)."
-    )
-    mean: Channels | None = Field(None, description="R,G,B subtracted from the [0, 1] input (after resizing).")
-    std: Channels | None = Field(None, description="R,G,B the input is divided by after subtracting the mean.")
-    task: Literal["auto", "image", "classify", "segment", "detect"] = Field(
-        "auto", description="What the output is; auto decides from the warm-up output's type and shape."
-    )
-    scores: Literal["logits", "probabilities"] = Field(
-        "logits", description="A classifier's output: logits (softmax is applied) or probabilities (used as is)."
-    )
 
-    # Where and how it runs.
+class Placement(Concern):
+    """Where and how it runs."""
+
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks cuda when a GPU is visible.")
-    precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="fp16/bf16 run under autocast.")
-    workers_per_device: int | Literal["auto"] = Field(
+    workers_per_device: CountOrAuto = Field(
         "auto",
         description="Inference worker processes per device; auto = on a CPU "
         f"one per core (at most {MAX_CPU_WORKERS}); on a GPU as many as keep it {GPU_BUSY_GOAL:.0%} busy while each "
         f"does its own CPU work, measured at start (at most {MAX_GPU_WORKERS} and half the cores).",
     )
-    torch_threads: int | Literal["auto"] = Field(
+    torch_threads: CountOrAuto = Field(
         "auto",
         description="Torch threads per inference worker; auto = on a CPU twice the worker's share of the cores (at "
         "most all of them) for a batch that is all the pod has admitted, so a lone request uses every core, and its "
@@ -128,22 +120,6 @@ class Settings(BaseSettings):
         description="One copy of the weights per device for all its workers (a read-only /dev/shm mapping on a "
         "CPU, CUDA IPC on a GPU); off = a private copy per worker.",
     )
-    max_batch_size: int | Literal["auto"] = Field(
-        8,
-        description="Most images in one model call; auto measures memory at warm-up and picks the largest that fits.",
-    )
-    batch_timeout_ms: float = Field(
-        5.0, ge=0, description="How long a batch may wait to fill up, counted from its oldest request's arrival."
-    )
-    pad_mixed_sizes: bool | Literal["auto"] = Field(
-        "auto",
-        description="Batch different sizes by padding (edge pixels may differ slightly); auto = on GPU only.",
-    )
-    channels_last: bool = Field(
-        True,
-        description="Run convolutions in NHWC memory (2-3x faster on CPU, tensor cores on GPU); "
-        "a model that fails on it at warm-up falls back to NCHW.",
-    )
     gpu_memory_fraction: float = Field(
         0.8,
         gt=0,
@@ -152,7 +128,24 @@ class Settings(BaseSettings):
         "may use (on a CPU less the request slots' room).",
     )
 
-    # Admission and deadlines.
+
+class Batching(Concern):
+    """Batching.
+
+    An API's own `max_batch_size` and `batch_timeout` apply where these are not set explicitly."""
+
+    max_batch_size: CountOrAuto = Field(
+        8,
+        description="Most items in one model call; auto measures memory at warm-up and picks the largest that fits.",
+    )
+    batch_timeout_ms: float = Field(
+        5.0, ge=0, description="How long a batch may wait to fill up, counted from its oldest request's arrival."
+    )
+
+
+class Queueing(Concern):
+    """Admission and deadlines."""
+
     max_queue_depth: int = Field(
         0,
         ge=0,
@@ -165,13 +158,19 @@ class Settings(BaseSettings):
         30.0, ge=0, description="On SIGTERM or Ctrl-C, how long to finish in-flight requests."
     )
 
-    # Input limits.
+
+class RequestLimits(Concern):
+    """Input limits."""
+
     max_body_bytes: int = Field(20 * 1024 * 1024, ge=1024, description="Largest request body (413 above).")
     max_image_pixels: int = Field(
         16_777_216, ge=64, description="Largest width x height of an input image (413 above; stops bombs)."
     )
 
-    # Connections and uploads (each front-end process).
+
+class ConnectionLimits(Concern):
+    """Connections and uploads (each front-end process)."""
+
     max_connections: int = Field(
         1024,
         ge=1,
@@ -193,7 +192,10 @@ class Settings(BaseSettings):
         128, ge=1, description="Request bodies being received at once per front-end process (503 above)."
     )
 
-    # Authentication.
+
+class Access(Concern):
+    """Authentication and documentation."""
+
     api_key: str | None = Field(
         None, description="Keys that may call /predict (comma separated, for rotation); none = no authentication."
     )
@@ -205,20 +207,66 @@ class Settings(BaseSettings):
     protect_metrics: bool = Field(
         False, description="Require an API key for /metrics, /info, /docs and /openapi.json too."
     )
+    docs: bool = Field(True, description="Serve /docs and /openapi.json (Swagger UI from the package's own files).")
 
-    # Output.
-    output_format: Literal["jpeg", "png", "webp"] = Field("jpeg", description="Image format when none is asked.")
-    jpeg_quality: int = Field(90, ge=1, le=100, description="JPEG/WebP quality when none is asked.")
+
+class Logging(Concern):
+    """Logging."""
 
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log verbosity.")
     access_log: bool = Field(False, description="Log every HTTP request (costs front-end CPU under load).")
-    docs: bool = Field(True, description="Serve /docs and /openapi.json (Swagger UI from the package's own files).")
 
     def configure_logging(self) -> None:
         """The log format and level of every imgserve process (spawned workers start with none)."""
         logging.basicConfig(level=self.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        if self.log_level != "debug":  # a worker's failed setup: one line; `imgserve serve` ends with the reason
-            logging.getLogger("litserve.loops.loops").addFilter(_without_traceback)
+
+
+class BuiltinModel(Concern):
+    """The built-in model.
+
+    --model and what describes it; given with an --api of one's own, they stop the start (exit 2)."""
+
+    model: str = Field(BUILTIN_MODEL, description="builtin:denoiser, or a path to .pt/.pt2/.safetensors/.pth.")
+    model_factory: str | None = Field(
+        None, description="module:function that builds the nn.Module for a state-dict/safetensors file."
+    )
+    labels: str | None = Field(None, description="Text file with one class label per line (classifiers).")
+    input_size: int | None = Field(
+        None,
+        ge=8,
+        description="The model's square input: a centre crop of that size after --resize-size, else every image "
+        "is resized to it (fixed-size models); also the warm-up probe's size (256 when unset).",
+    )
+    preprocess: Literal["none", "imagenet"] = Field(
+        "none",
+        description="Preset: imagenet = resize 256, crop 224, bilinear, ImageNet mean/std; explicit settings win.",
+    )
+    resize_size: int | None = Field(
+        None, ge=8, description="Resize the shorter side to this, keeping the aspect ratio (torchvision Resize(N))."
+    )
+    interpolation: Literal["bilinear", "bicubic", "nearest"] = Field(
+        "bilinear", description="Resampling filter of the resize (Pillow's, as torchvision uses on PIL images)."
+    )
+    mean: Channels | None = Field(None, description="R,G,B subtracted from the [0, 1] input (after resizing).")
+    std: Channels | None = Field(None, description="R,G,B the input is divided by after subtracting the mean.")
+    task: Literal["auto", "image", "classify", "segment", "detect"] = Field(
+        "auto", description="What the output is; auto decides from the warm-up output's type and shape."
+    )
+    scores: Literal["logits", "probabilities"] = Field(
+        "logits", description="A classifier's output: logits (softmax is applied) or probabilities (used as is)."
+    )
+    precision: Literal["fp32", "fp16", "bf16"] = Field("fp32", description="fp16/bf16 run under autocast.")
+    pad_mixed_sizes: bool | Literal["auto"] = Field(
+        "auto",
+        description="Batch different sizes by padding (edge pixels may differ slightly); auto = on GPU only.",
+    )
+    channels_last: bool = Field(
+        True,
+        description="Run convolutions in NHWC memory (2-3x faster on CPU, tensor cores on GPU); "
+        "a model that fails on it at warm-up falls back to NCHW.",
+    )
+    output_format: Literal["jpeg", "png", "webp"] = Field("jpeg", description="Image format when none is asked.")
+    jpeg_quality: int = Field(90, ge=1, le=100, description="JPEG/WebP quality when none is asked.")
 
     @field_validator("mean", "std", mode="before")
     @classmethod
@@ -236,30 +284,58 @@ class Settings(BaseSettings):
             raise ValueError("std must not be 0")
         return value
 
-    @property
-    def served_name(self) -> str:
-        """--model-name, else the built-in model's name or the model file's stem."""
-        if self.model_name:
-            return self.model_name
-        return BUILTIN_MODEL.partition(":")[2] if self.model == BUILTIN_MODEL else Path(self.model).stem
-
     @model_validator(mode="after")
-    def _apply_preset(self) -> Settings:
-        """The preset fills in only the settings that were not given explicitly."""
+    def _apply_preset(self) -> BuiltinModel:
+        """The preset fills in only the settings that were not given explicitly (and leaves them unset: given
+        explicitly are only those the user gave)."""
         for name, value in PRESETS.get(self.preprocess, {}).items():
             if name not in self.model_fields_set:
-                setattr(self, name, value)
+                self.__dict__[name] = value
         if self.resize_size and self.input_size and self.resize_size < self.input_size:
             raise ValueError(
                 f"--resize-size {self.resize_size} is smaller than the --input-size {self.input_size} crop"
             )
         return self
 
-    @field_validator("max_batch_size", "workers_per_device", "torch_threads", "api_servers", mode="before")
-    @classmethod
-    def _count_or_auto(cls, value: object, info: ValidationInfo) -> object:
-        if isinstance(value, str) and value.strip().isdigit():
-            value = int(value)
-        if isinstance(value, int) and value < 1:
-            raise ValueError(f"{info.field_name} must be >= 1 or 'auto'")
-        return value
+    @property
+    def served_name(self) -> str:
+        """The built-in model's default name: the built-in model's own, or the model file's stem."""
+        return BUILTIN_MODEL.partition(":")[2] if self.model == BUILTIN_MODEL else Path(self.model).stem
+
+
+# The server's concerns, in the order docs/settings.md lists them.
+SERVER_CONCERNS: tuple[type[Concern], ...] = (
+    Listening,
+    Serving,
+    Placement,
+    Batching,
+    Queueing,
+    RequestLimits,
+    ConnectionLimits,
+    Access,
+    Logging,
+)
+
+
+class ServerSettings(
+    Listening, Serving, Placement, Batching, Queueing, RequestLimits, ConnectionLimits, Access, Logging, BaseSettings
+):
+    """The server's settings, every concern but the built-in model's."""
+
+    model_config = SettingsConfigDict(env_prefix="IMGSERVE_", extra="ignore", protected_namespaces=())
+
+    def part(self, concern: type[Part]) -> Part:
+        """The settings of one concern, for the module that reads only those."""
+        return concern.model_construct(**{name: getattr(self, name) for name in concern.model_fields})
+
+
+class Settings(ServerSettings, BuiltinModel):
+    """Everything `imgserve serve` takes: the server's settings and the built-in model's."""
+
+    def model_settings_given(self) -> list[str]:
+        """The built-in model's settings given explicitly (as flags or IMGSERVE_ variables): with an API of one's
+        own they would describe a model that is not served."""
+        return [name for name in BuiltinModel.model_fields if name in self.model_fields_set]
+
+
+CONCERNS: tuple[type[Concern], ...] = (*SERVER_CONCERNS, BuiltinModel)  # every concern `imgserve serve` takes

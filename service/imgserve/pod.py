@@ -16,7 +16,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from imgserve.config import CPU_FRONT_ENDS, GPU_BUSY_GOAL, MAX_CPU_WORKERS, MAX_FRONT_ENDS, MAX_GPU_WORKERS, Settings
+from imgserve.config import (
+    CPU_FRONT_ENDS,
+    GPU_BUSY_GOAL,
+    MAX_CPU_WORKERS,
+    MAX_FRONT_ENDS,
+    MAX_GPU_WORKERS,
+    ServerSettings,
+)
 
 AUTO_BATCH_CAP = 256  # the largest batch max_batch_size auto may choose
 QUEUED_BATCHES_PER_WORKER = 4  # max_queue_depth 0: this many full batches per worker may wait
@@ -72,7 +79,6 @@ class PodPlan:
     largest_batch: int  # the largest the batch size can become
     slots_per_front_end: int
     reserved_slot_bytes: int  # kept out of a CPU's batch memory: room for every admitted image in its slot
-    pad_mixed_sizes: bool
     passive_openmp: bool
     warnings: list[str] = field(default_factory=list)
     max_queue_depth: int = 0  # the operator's bound (0: from the batch size, `queue_bound`)
@@ -89,7 +95,7 @@ class PodPlan:
         return plan
 
 
-def plan_pod(settings: Settings, machine: Machine) -> PodPlan:
+def plan_pod(settings: ServerSettings, machine: Machine) -> PodPlan:
     """The pod for these settings on this machine."""
     cuda = machine.device_type == "cuda"
     workers_per_device, why = _workers_per_device(settings, machine)
@@ -116,7 +122,6 @@ def plan_pod(settings: Settings, machine: Machine) -> PodPlan:
         largest_batch=largest_batch,
         slots_per_front_end=slots_per_front_end,
         reserved_slot_bytes=reserved,
-        pad_mixed_sizes=cuda if settings.pad_mixed_sizes == "auto" else bool(settings.pad_mixed_sizes),
         passive_openmp=not cuda,
         max_queue_depth=settings.max_queue_depth,
     )
@@ -136,7 +141,7 @@ def gpu_workers_for(cpu_s: float, device_s: float, cpus: int) -> int:
     return max(1, min(wanted, MAX_GPU_WORKERS, cpus // 2))
 
 
-def _workers_per_device(settings: Settings, machine: Machine) -> tuple[int, str]:
+def _workers_per_device(settings: ServerSettings, machine: Machine) -> tuple[int, str]:
     """On a CPU one worker per core (under load several narrow workers beat one wide one); on a GPU as many as keep
     it GPU_BUSY_GOAL busy, from the probe."""
     if settings.workers_per_device != "auto":
@@ -154,7 +159,7 @@ def _workers_per_device(settings: Settings, machine: Machine) -> tuple[int, str]
     )
 
 
-def _front_ends(settings: Settings, machine: Machine, workers_per_device: int) -> int:
+def _front_ends(settings: ServerSettings, machine: Machine, workers_per_device: int) -> int:
     """HTTP front ends: on a GPU the cores the workers leave free. On a CPU the workers share the cores with them,
     and one front end's event loop caps a cheap model: CPU_FRONT_ENDS, at most one per core."""
     if settings.api_servers != "auto":
@@ -164,7 +169,7 @@ def _front_ends(settings: Settings, machine: Machine, workers_per_device: int) -
     return max(1, min(machine.cpus - workers_per_device, MAX_FRONT_ENDS))
 
 
-def _torch_threads(settings: Settings, machine: Machine, workers: int) -> TorchThreads:
+def _torch_threads(settings: ServerSettings, machine: Machine, workers: int) -> TorchThreads:
     """On a GPU, the worker's share of the cores. On a CPU, twice its share (at most every core) for a batch that is
     all the pod has admitted, so a lone request runs on every core while the other workers wait (their OpenMP
     threads wait passively); its share while other requests are in flight, so the workers do not take turns on the
@@ -177,7 +182,7 @@ def _torch_threads(settings: Settings, machine: Machine, workers: int) -> TorchT
     return TorchThreads(min(machine.cpus, 2 * share), share)
 
 
-def _warnings(settings: Settings, machine: Machine, plan: PodPlan, largest_queue: int) -> list[str]:
+def _warnings(settings: ServerSettings, machine: Machine, plan: PodPlan, largest_queue: int) -> list[str]:
     """What on this machine may bound the pod before its own limits do."""
     found = []
     slot_bytes = largest_queue * SLOT_ROOM_PER_PIXEL * settings.max_image_pixels

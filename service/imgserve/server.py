@@ -1,188 +1,135 @@
 """The composition root: reads the machine, plans the pod (pod.py), builds what the plan says and runs it.
 
-Imported by nothing but the command that runs it, and only after `PROMETHEUS_MULTIPROC_DIR` is set.
+The main process binds the port, spawns the inference workers, forks the HTTP front ends onto the port and
+supervises them all (supervisor/), with nothing between them but the hand-off's sockets and shared memory. Imported
+by nothing but the command that runs it, and only after `PROMETHEUS_MULTIPROC_DIR` is set.
 """
 
 from __future__ import annotations
 
-import contextlib
+import gc
 import logging
+import multiprocessing as mp
 import os
 import socket
-from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import litserve as ls
 import torch
-from starlette.routing import Route
 
-from imgserve import heap, metrics
+from imgserve import metrics
 from imgserve.api import ImageAPI
-from imgserve.config import Settings
-from imgserve.engine import EngineServer
-from imgserve.errors import install_handlers
-from imgserve.frontend import docs_page, openapi, telemetry
-from imgserve.frontend.admission import Admission, AdmissionMiddleware
-from imgserve.frontend.auth import ApiKeyMiddleware, KeyProblem, Keys
+from imgserve.config import Access, Batching, Logging, Settings
+from imgserve.frontend import process as front_end_process
+from imgserve.frontend import telemetry
+from imgserve.frontend.admission import Admission
+from imgserve.frontend.app import FrontEnd, Served
+from imgserve.frontend.auth import KeyProblem, Keys
 from imgserve.frontend.connections import GuardedHttpToolsProtocol
 from imgserve.frontend.inference import CodecThreads, Inference
-from imgserve.frontend.litserve_route import LitServeRoute
-from imgserve.frontend.routes import Routes
-from imgserve.frontend.v2 import grpc_service
-from imgserve.frontend.v2.http import V2Routes
-from imgserve.frontend.v2.model import ServedModel
 from imgserve.handoff.answers import AnswerSockets
 from imgserve.handoff.directory import ServerDirectory
 from imgserve.handoff.dispatch import Dispatcher
 from imgserve.handoff.requests import RequestSocket
 from imgserve.handoff.state import SharedState
+from imgserve.litapi import LitServeAPI
 from imgserve.models import outputs
-from imgserve.models.builtin import LocalKinds, ModelAPI
+from imgserve.models.builtin import LocalKinds, ModelAPI, pads
 from imgserve.models.loader import ModelLoadError, check_model_source
 from imgserve.models.shared import SharedWeights
 from imgserve.pod import PodPlan, available_ram, plan_pod, read_machine
-from imgserve.startup import load_api, load_weights, probe_gpu, resolve_device
-from imgserve.supervisor.children import Supervisor
-from imgserve.supervisor.lifecycle import install_drain_on_signals
+from imgserve.startup import StartupError, load_api, load_weights, probe_gpu, resolve_device
+from imgserve.supervisor.children import Children
+from imgserve.supervisor.lifecycle import Lifecycle
 from imgserve.version import __version__
-from imgserve.worker.api import WorkerAPI, WorkerPlan
+from imgserve.worker import process as worker_process
+from imgserve.worker.serving import WorkerPlan
 
 log = logging.getLogger(__name__)
+BACKLOG = 2048  # connections the kernel queues for the front ends to accept (uvicorn's default)
 
 
-class ImageServer(EngineServer):
-    """The server the plan describes: the API behind imgserve's routes, admission and keys, the hand-off sockets,
-    the supervisor, and the inference workers LitServe starts."""
-
-    def __init__(
-        self,
-        settings: Settings,
-        directory: ServerDirectory,
-        keys: Keys,
-        api: ls.LitAPI,
-        weights: SharedWeights,
-        plan: PodPlan,
-        state: SharedState,
-    ) -> None:
-        self.settings, self.directory, self.keys, self.api = settings, directory, keys, api
-        self.weights, self.plan, self.state = weights, plan, state
-        self.front_end_host = settings.host
-        self.dispatcher = Dispatcher(state, directory.slots, plan.slots_per_front_end, settings.retry_after_s)
-        worker_plan = WorkerPlan(
-            directory.slots,
-            weights,
-            plan.batch_size,
-            settings.batch_timeout_ms / 1000,
-            settings.max_batch_size == "auto",
-            plan.torch_threads,
-            plan.workers_per_device,
-            plan.reserved_slot_bytes,
-        )
-        self.supervisor = Supervisor(self)  # started with the front ends
-        self.admission = Admission(state, settings, lambda: self.queue_limit)
-        super().__init__(
-            WorkerAPI(api, settings, state, worker_plan),
-            accelerator=plan.device_type,
-            devices=len(plan.devices),
-            workers_per_device=plan.workers_per_device,
-            timeout=False,  # deadlines are imgserve's (admission + worker), per request
-            disable_openapi_url=True,  # no /docs, /redoc, /openapi.json
-            middlewares=[  # the last is outermost
-                (AdmissionMiddleware, {"admission": self.admission, "settings": settings}),
-                (ApiKeyMiddleware, {"settings": settings, "keys": keys}),
-                telemetry.MetricsMiddleware,
-            ],
-        )
-        install_handlers(self.app)
-        copies = 1 if weights.shared else plan.workers_per_device
-        facts = telemetry.ModelFacts(
-            describe_api(settings, api), settings.precision, plan.devices, copies * weights.nbytes, __version__
-        )
-        self.pod_collector = telemetry.PodCollector(state, directory.slots, facts)
-        metrics.preregister()
-
-    def add_routes(self) -> None:
-        self.inference = Inference(self.dispatcher, self.admission, CodecThreads(self.plan.codec_threads_per_front_end))
-        routes = Routes(
-            self.settings,
-            self.state,
-            self.inference,
-            lambda: telemetry.exposition(self.pod_collector),
-            self.describe,
-            self.setup_status,
-        )
-        api = self.api
-        name: str | None = None  # the model's name in the Open Inference Protocol: an ImageAPI's
-        if isinstance(api, ImageAPI):
-            predict = routes.predict_with(api)
-            for path in telemetry.PREDICT_PATHS:
-                self.app.router.routes.append(Route(path, predict, methods=["POST"]))
-            name = self.settings.model_name or api.name or type(api).__name__
-            model = ServedModel(api, name, self.settings, self.state, self.inference, routes.not_ready_reason)
-            self.app.router.routes.extend(V2Routes(model, self.settings.max_body_bytes).routes())
-            self.grpc_servicer: grpc_service.Servicer | None = grpc_service.Servicer(model, self.settings, self.keys)
-        else:
-            LitServeRoute(api, self.inference, self.settings).register(self.app)
-            self.grpc_servicer = None
-        for path, endpoint in (
-            ("/health/live", routes.live),
-            ("/health/ready", routes.ready),
-            ("/health", routes.ready),
-            ("/info", routes.info),
-            ("/metrics", routes.metrics),
-        ):
-            self.app.router.routes.append(Route(path, endpoint, methods=["GET"]))
-        if self.settings.docs:  # after every other route: the document describes them
-            described = openapi.document(self.settings, api, name, self.app.routes)
-            self.app.router.routes.extend(docs_page.routes(described))
-
-    def hand_off(self, front_ends: int) -> tuple[RequestSocket, AnswerSockets]:
-        return RequestSocket(self.directory.root), AnswerSockets(self.directory.root, front_ends)
-
-    def front_ends_started(self) -> None:
-        self.supervisor.start()
-
-    def stopping(self) -> None:
-        """The children LitServe stops are not taken for dead ones and replaced."""
-        self.supervisor.stop()
-
-    @contextlib.asynccontextmanager
-    async def lifespan(self, app: Any) -> AsyncIterator[None]:
-        """Each front end's start: its dispatcher (requests and answers on its event loop, not LitServe's thread hop
-        per answer), and its decoding threads share a few heap arenas; the first also serves gRPC (--grpc-port) on
-        its event loop, until it stops."""
-        heap.few_arenas()
-        front_end = app.response_queue_id
-        self.state.serve_as(front_end)
-        self.dispatcher.start(front_end, self.request_queue, self.answer_transport.receiver(front_end))
-        if front_end != 0 or not self.settings.grpc_port or self.grpc_servicer is None:
-            yield
-            return
-        grpc_server = await grpc_service.start(self.grpc_servicer, self.settings)
-        self.state.serve_grpc(True)  # ready waits for it: another front end may answer /health/ready first
+def serve(settings: Settings, directory: ServerDirectory, api: ls.LitAPI | None = None) -> int:
+    """Serve `api` (else --api's, else the built-in API over --model) until SIGTERM/SIGINT, in the server's private
+    `directory` (its caller removes it). The exit code is 0 after a clean drain, 1 if children kept dying, 2 when
+    what the user named cannot be served (one line says why)."""
+    settings.configure_logging()
+    try:
+        user_api = api or (load_api(settings.api) if settings.api else None)
+        if user_api is None:
+            check_model_source(settings.model, settings.model_factory)
+            outputs.read_labels(settings.labels)
+        elif given := settings.model_settings_given():
+            flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+            raise StartupError(f"{flags}: the built-in model's settings do not apply to an API of your own")
+        keys = Keys.load(settings.part(Access), directory.root / "api-keys")  # a key source without a key: none
+        serves_grpc = settings.grpc_port and not (user_api is not None and not isinstance(user_api, ImageAPI))
+        if serves_grpc and not port_free(settings.host, settings.grpc_port):
+            raise StartupError(
+                f"--grpc-port {settings.grpc_port} is already in use on {settings.host} (0 turns it off)"
+            )
+        listening = listen(settings.host, settings.port)
+    except (ModelLoadError, KeyProblem) as exc:
+        log.error("imgserve: %s", exc)
+        return 2
+    with listening:
         try:
-            yield
-        finally:
-            self.state.serve_grpc(False)
-            await grpc_server.stop(grpc_service.GRACE_S)
+            pod = build(settings, directory, user_api)
+        except ModelLoadError as exc:
+            log.error("imgserve: %s", exc)
+            return 2
+        return processes(pod, directory, keys).run(pod, listening)
 
-    def restart_front_end(self, index: int) -> Any:
-        """Fork a new front end in place of front end `index` (the supervisor's word for it)."""
-        return self.fork_front_end(index)
 
-    @property
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket every front end accepts from; StartupError when the port is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listening = socket.socket(family, socket.SOCK_STREAM)
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listening.bind((host, port))
+    except OSError as exc:
+        listening.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    listening.listen(BACKLOG)
+    listening.set_inheritable(True)
+    return listening
+
+
+def port_free(host: str, port: int) -> bool:
+    """Can a server bind `host:port`? (The gRPC port, which the first front end binds later, where a clash would
+    only show as a front end that keeps dying.)"""
+    try:
+        listen(host, port).close()
+    except StartupError:
+        return False
+    return True
+
+
+@dataclass
+class Pod:
+    """What the plan built: the served API and the facts /info shows of it."""
+
+    settings: Settings
+    served: Served
+    plan: PodPlan
+    weights: SharedWeights
+    state: SharedState
+
     def queue_limit(self) -> int:
         """The admission bound, from the batch size the workers settled on at warm-up (max_batch_size auto)."""
         return self.plan.queue_bound(self.state.limits["max_batch_size"] or self.plan.batch_size)
 
     def describe(self) -> dict[str, Any]:
         """What GET /info answers."""
-        limits, plan = self.state.limits, self.plan
+        limits, plan, settings, batching = self.state.limits, self.plan, self.settings, self.served.batching
         return {
-            "model": describe_api(self.settings, self.api),
+            "model": self.served.api.describe(),
             "device": plan.devices[0],
             "devices": plan.devices,
-            "precision": self.settings.precision,
+            "precision": self.served.api.precision,
             "workers": plan.workers,
             "workers_per_device": plan.workers_per_device,
             "workers_per_device_why": plan.workers_per_device_why,
@@ -190,78 +137,72 @@ class ImageServer(EngineServer):
             "torch_threads_per_worker": plan.torch_threads.alone,
             "torch_threads_per_worker_under_load": plan.torch_threads.busy,
             "weights": self.weights.describe(),
-            "max_batch_size": limits["max_batch_size"] or self.settings.max_batch_size,
+            "max_batch_size": limits["max_batch_size"] or batching.max_batch_size,
             "batch_memory_budget_bytes_per_worker": limits["budget_bytes"],
             "batch_element_budget": limits["element_budget"],
-            "batch_timeout_ms": self.settings.batch_timeout_ms,
-            "max_queue_depth": self.queue_limit,
-            "request_timeout_s": self.settings.request_timeout_s,
-            "max_body_bytes": self.settings.max_body_bytes,
-            "max_image_pixels": self.settings.max_image_pixels,
+            "batch_timeout_ms": batching.batch_timeout_ms,
+            "max_queue_depth": self.queue_limit(),
+            "request_timeout_s": settings.request_timeout_s,
+            "max_body_bytes": settings.max_body_bytes,
+            "max_image_pixels": settings.max_image_pixels,
             "task": self.state.task,  # the output kind the workers decided at warm-up
             "plan": plan.describe(),
             "version": __version__,
         }
 
 
-def port_free(host: str, port: int) -> bool:
-    """Can a server bind `host:port`? (The HTTP port LitServe binds itself; the gRPC port its first front end binds
-    later, where a clash would only show as a front end that keeps dying.)"""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
+@dataclass
+class Processes:
+    """What every front end and every worker is started with."""
+
+    front_end: FrontEnd
+    worker: worker_process.WorkerSpec
+
+    def run(self, pod: Pod, listening: socket.socket) -> int:
+        """Start the children on `listening`, supervise them until the server stops; the exit code."""
+        settings, plan = pod.settings, pod.plan
+        options = {
+            "host": settings.host,
+            "port": settings.port,
+            "log_level": settings.log_level,
+            "access_log": settings.access_log,
+            "http": GuardedHttpToolsProtocol.configured(settings, self.front_end.inference.admission),
+        }
+        # A forked child shares the main process's Python objects until either writes to their pages, and a full
+        # garbage collection writes to every one: the garbage is collected once, before the first fork, and the
+        # collector leaves the rest alone.
+        gc.collect()
+
+        def start_front_end(index: int) -> BaseProcess:
+            gc.freeze()
+            args = (self.front_end, index, listening, options, os.getpid())
+            return _started(mp.get_context("fork").Process(target=front_end_process.run, args=args))
+
+        def start_worker(index: int) -> BaseProcess:
+            args = (self.worker, index, plan.devices[index // plan.workers_per_device])
+            return _started(mp.get_context("spawn").Process(target=worker_process.run, args=args))
+
+        children = Children(start_worker, start_front_end, plan.workers, plan.front_ends)
+        return Lifecycle(children, pod.state, settings.drain_timeout_s).run()
 
 
-def serve(settings: Settings, directory: ServerDirectory, api: ls.LitAPI | None = None) -> int:
-    """Serve `api` (else --api's, else the built-in API over --model) until SIGTERM/SIGINT, in the server's private
-    `directory` (its caller removes it). The exit code is 0 after a clean drain, 1 if workers kept dying, 2 when
-    what the user named cannot be served (one line says why)."""
-    settings.configure_logging()
-    try:
-        if api is None and settings.api:
-            api = load_api(settings.api)
-        if api is None:
-            check_model_source(settings.model, settings.model_factory)
-            outputs.read_labels(settings.labels)
-        keys = Keys.load(settings, directory.root / "api-keys")  # a key source that yields no key: no server
-    except (ModelLoadError, KeyProblem) as exc:
-        log.error("imgserve: %s", exc)
-        return 2
-    serves_grpc = settings.grpc_port and (api is None or isinstance(api, ImageAPI))
-    if serves_grpc and not port_free(settings.host, settings.grpc_port):
-        log.error(
-            "imgserve: --grpc-port %d is already in use on %s (0 turns gRPC off)", settings.grpc_port, settings.host
-        )
-        return 2
-    try:
-        return run_server(build_server(settings, directory, keys, api))
-    except ModelLoadError as exc:
-        log.error("imgserve: %s", exc)
-        return 2
+def _started(process: BaseProcess) -> BaseProcess:
+    process.daemon = True  # should the main process ever exit without stopping it, multiprocessing does
+    process.start()
+    return process
 
 
-def build_server(settings: Settings, directory: ServerDirectory, keys: Keys, api: ls.LitAPI | None) -> ImageServer:
-    """Load the weights once, plan the pod on this machine and build it around `api` (None: the built-in API)."""
-    settings = with_batching(settings, api)
-    if api is not None and not isinstance(api, ImageAPI) and settings.grpc_port:
-        log.info("a plain LitAPI has no Open Inference Protocol routes: gRPC is off")
-        settings = settings.model_copy(update={"grpc_port": 0})
+def build(settings: Settings, directory: ServerDirectory, user_api: ls.LitAPI | None) -> Pod:
+    """Load the weights once, plan the pod on this machine and build it around `user_api` (None: the built-in API)."""
+    settings = with_batching(settings, user_api)
     device_type = resolve_device(settings.device)
     devices = torch.cuda.device_count() if device_type == "cuda" else 1
-    source: tuple[str | None, str | None]
-    if api is None:
-        source = (settings.model, settings.model_factory)
-    else:  # the API's class attributes, which ImageAPI.load_model builds its module from
-        source = (getattr(api, "model", None), getattr(api, "model_factory", None))
+    api = user_api if isinstance(user_api, ImageAPI) or user_api is None else _adapted(user_api, settings)
+    source = (settings.model, settings.model_factory) if api is None else (api.model, api.model_factory)
     weights = load_weights(*source, settings, device_type, devices, directory.weights)
     cuda = device_type == "cuda"
     probe = None
-    if cuda and settings.workers_per_device == "auto" and (api is None or isinstance(api, ImageAPI)):
+    if cuda and settings.workers_per_device == "auto" and not isinstance(api, LitServeAPI):
         probe = probe_gpu(api or ModelAPI(settings, LocalKinds(), pad=True), settings, weights)
     free = torch.cuda.mem_get_info(0)[0] if cuda else available_ram()
     plan = plan_pod(settings, read_machine(device_type, devices, free, probe))
@@ -270,56 +211,68 @@ def build_server(settings: Settings, directory: ServerDirectory, keys: Keys, api
     if plan.passive_openmp:  # workers spawned from now on: OpenMP threads sleep when they wait instead of spinning
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     state = SharedState(plan.workers, plan.slots_per_front_end * plan.front_ends, plan.front_ends)
-    served = api or ModelAPI(settings, state, pad=plan.pad_mixed_sizes)
-    return ImageServer(settings, directory, keys, served, weights, plan, state)
+    api = api or ModelAPI(settings, state, pads(settings, device_type), settings.retry_after_s)
+    served = Served(api, settings.model_name or api.name or type(api).__name__, settings.part(Batching))
+    return Pod(settings, served, plan, weights, state)
+
+
+def processes(pod: Pod, directory: ServerDirectory, keys: Keys) -> Processes:
+    """The front end and the workers' start, as the plan says."""
+    settings, plan, state, served, weights = pod.settings, pod.plan, pod.state, pod.served, pod.weights
+    admission = Admission(state, settings, pod.queue_limit)
+    dispatcher = Dispatcher(state, directory.slots, plan.slots_per_front_end, settings.retry_after_s)
+    inference = Inference(dispatcher, admission, CodecThreads(plan.codec_threads_per_front_end))
+    requests, answers = RequestSocket(directory.root), AnswerSockets(directory.root, plan.front_ends)
+    copies = 1 if weights.shared else plan.workers_per_device
+    facts = telemetry.ModelFacts(
+        served.api.describe(), str(served.api.precision), plan.devices, copies * weights.nbytes, __version__
+    )
+    collector = telemetry.PodCollector(state, directory.slots, facts)
+    metrics.preregister()
+    front_end = FrontEnd(
+        served, settings, state, keys, inference, (requests, answers), lambda: telemetry.exposition(collector),
+        pod.describe,
+    )  # fmt: skip
+    worker_plan = WorkerPlan(
+        directory.slots,
+        weights,
+        plan.batch_size,
+        served.batching.batch_timeout_ms / 1000,
+        served.batching.max_batch_size == "auto",
+        plan.torch_threads,
+        plan.workers_per_device,
+        plan.reserved_slot_bytes,
+        settings.gpu_memory_fraction,
+        settings.trust_pickle,
+    )
+    worker = worker_process.WorkerSpec(
+        served.api, worker_plan, state, requests, answers, settings.part(Logging), os.getpid()
+    )
+    return Processes(front_end, worker)
+
+
+def _adapted(api: ls.LitAPI, settings: Settings) -> LitServeAPI:
+    """A plain LitAPI, carried by the ImageAPI core at the batch size and timeout it is served with."""
+    size = settings.max_batch_size if isinstance(settings.max_batch_size, int) else api.max_batch_size
+    return LitServeAPI(api, size, settings.batch_timeout_ms / 1000)
 
 
 def with_batching(settings: Settings, api: ls.LitAPI | None) -> Settings:
     """The settings with the batch size and timeout the workers use: a flag or IMGSERVE_ variable set explicitly wins,
-    then what the API asked for, then the settings' defaults. A plain LitAPI keeps its own, as LitServe runs it."""
-    explicit = settings.model_fields_set
+    then what the API asked for, then the settings' defaults. A plain LitAPI asks for what its attributes say, as
+    LitServe runs it, and has nothing to measure `auto` on."""
     if api is None:
         return settings
     if isinstance(api, ImageAPI):
         size, timeout_s = api.batching
     else:
         size, timeout_s = api.max_batch_size, api.batch_timeout
+    explicit = settings.model_fields_set
     update: dict[str, Any] = {}
     if "max_batch_size" not in explicit and size is not None:
         update["max_batch_size"] = size
     if "batch_timeout_ms" not in explicit and timeout_s is not None:
         update["batch_timeout_ms"] = 1000 * timeout_s
     if not isinstance(api, ImageAPI) and update.get("max_batch_size", settings.max_batch_size) == "auto":
-        update["max_batch_size"] = api.max_batch_size  # nothing to measure a plain LitAPI's memory on
+        update["max_batch_size"] = api.max_batch_size
     return settings.model_copy(update=update)
-
-
-def describe_api(settings: Settings, api: ls.LitAPI) -> str:
-    """What /info and imgserve_model_info call the served model: the model file, or the API's class."""
-    if isinstance(api, ModelAPI):
-        return settings.model
-    return f"{type(api).__module__}.{type(api).__qualname__}"
-
-
-def run_server(server: ImageServer) -> int:
-    """Serve until SIGTERM/SIGINT; 2 when a worker's setup failed (with its one-line reason)."""
-    settings = server.settings
-    install_drain_on_signals(server)
-    try:
-        server.run(
-            host=settings.host,
-            port=settings.port,
-            num_api_servers=server.plan.front_ends,
-            log_level=settings.log_level,
-            generate_client_file=False,
-            access_log=settings.access_log,
-            http=GuardedHttpToolsProtocol.configured(settings, server.admission),
-            ws="none",
-        )
-    except RuntimeError as exc:  # a worker's setup failed: it left its reason in the shared state
-        for worker in server.inference_workers:  # the others would log their own failure after ours
-            worker.terminate()
-            worker.join(timeout=5)
-        log.error("imgserve: %s", server.state.setup_failure or f"the model failed to load or warm up ({exc})")
-        return 2
-    return server.state.exit_code

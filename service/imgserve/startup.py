@@ -23,9 +23,8 @@ from imgserve.models import shared
 from imgserve.models.loader import ModelLoadError, load_model
 from imgserve.models.shared import SharedWeights
 from imgserve.pod import GpuProbe
-from imgserve.worker.api import shared_model_loader
 from imgserve.worker.batching import BatchRunner
-from imgserve.worker.hooks import ImageHooks
+from imgserve.worker.serving import shared_model_loader
 
 PROBE_BATCH = 8  # the batch timed for workers_per_device auto on a GPU when max_batch_size is auto too
 
@@ -88,38 +87,51 @@ def probe_gpu(api: ImageAPI, settings: Settings, weights: SharedWeights) -> GpuP
     device = torch.device("cuda:0")
     api.model_loader = shared_model_loader(api, weights, settings.trust_pickle)
     api.setup(str(device))
-    hooks = ImageHooks(api)
     example = api.example_request()
+    if example is None:
+        raise StartupError(f"{type(api).__name__}.example_request() gives none: set --workers-per-device")
     item = api.decode_request(example)
     count = settings.max_batch_size if isinstance(settings.max_batch_size, int) else PROBE_BATCH
-    runner = BatchRunner(hooks, device)
+    runner = BatchRunner(api, device)
     try:
         runner.measure(item, settings.gpu_memory_fraction)  # the warm-up
-        count, cpu_s, device_s = _timed(hooks, [item] * count, device)
+        count, cpu_s, device_s = time_batch(runner, [item] * count)
     except torch.OutOfMemoryError:
         raise StartupError("the model runs out of GPU memory on one example request") from None
     finally:
-        del runner, hooks
+        del runner
         torch.cuda.empty_cache()
     return GpuProbe(count, _describe(item), cpu_s, device_s)
 
 
-def _timed(hooks: ImageHooks, items: list[object], device: torch.device) -> tuple[int, float, float]:
-    """(batch size, a worker's own seconds, the device's seconds) of the second run of `items`, halved until they
-    fit."""
+def time_batch(runner: BatchRunner, items: list[object]) -> tuple[int, float, float]:
+    """(batch size, a worker's own seconds, the device's seconds of `predict`) of the second run of `items`,
+    halved until they fit."""
     while True:
         try:
-            hooks.run(items)
+            runner.call(items)
             break
         except torch.OutOfMemoryError:
             if len(items) == 1:
                 raise
             torch.cuda.empty_cache()
             items = items[: len(items) // 2]
+    api, device = runner.api, runner.device
     started = time.perf_counter()
-    _, device_s = hooks.predict_seconds(items, device)
+    batch = api.batch(items)
+    _synchronize(device)
+    predicted = time.perf_counter()
+    output = api.predict(batch)
+    _synchronize(device)
+    device_s = time.perf_counter() - predicted
+    api.unbatch(output)
     total = time.perf_counter() - started
     return len(items), max(total - device_s, 0.0), device_s
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _describe(item: object) -> str:

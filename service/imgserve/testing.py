@@ -34,7 +34,6 @@ import torch
 
 from imgserve.api import ImageAPI, Request, encoder
 from imgserve.worker.batching import BatchRunner
-from imgserve.worker.hooks import ImageHooks
 
 LOOPBACK = "127.0.0.1"
 READY_PATH = "/health/ready"
@@ -182,14 +181,14 @@ class InProcess:
     def __init__(self, api: ImageAPI, device: str = "cpu") -> None:
         self.api, self.device = api, torch.device(device)
         self.encode = encoder(api)
-        self.hooks = ImageHooks(api)
-        self.runner = BatchRunner(self.hooks, self.device)
+        self.runner = BatchRunner(api, self.device)
 
     def setup(self, measure: bool = False) -> InProcess:
         """The API's `setup` on the device; with `measure`, the memory plan from its example request too."""
         self.api.setup(str(self.device))
-        if measure:
-            self.runner.measure(self.api.decode_request(self.api.example_request()), memory_fraction=0.8)
+        example = self.api.example_request()
+        if measure and example is not None:
+            self.runner.measure(self.api.decode_request(example), memory_fraction=0.8)
         return self
 
     def predict(self, items: list[Any]) -> list[Any]:

@@ -13,7 +13,6 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-from litserve.utils import LoopResponseType
 
 from imgserve.api import split
 from imgserve.errors import ApiError
@@ -212,8 +211,8 @@ def test_a_value_place_accepts_also_travels_or_place_says_where(slot: Slot, valu
     except TypeError as exc:
         assert str(exc).startswith("the value['a'][1] is"), str(exc)
         return
-    data = wire.pack_request((0, "uid", 1.0, {"slot": (SLOT, 1), "deadline": 2.0, "admitted": 1.0, "item": placed}))
-    resolved = items.resolve(wire.unpack_request(data)[3]["item"], slot.read)
+    data = wire.pack_request(wire.RequestMessage(0, "uid", SLOT, 1, 1.0, 2.0, placed))
+    resolved = items.resolve(wire.unpack_request(data).item, slot.read)
     expected = value.float() if isinstance(value, torch.Tensor) else torch.as_tensor(value)
     assert resolved["a"][0] == 1 and torch.equal(torch.as_tensor(resolved["a"][1]), expected)
 
@@ -223,13 +222,12 @@ def test_a_placed_item_travels_in_a_request_message_and_resolves_in_the_worker(s
     original = {key: value for key, value in tree().items() if key != "zero_d"}  # see the zero-dimensional test
     placed = items.place(original, slot.write, inline_bytes=1024, inline_arrays=64)
     assert isinstance(placed["i8"], np.ndarray), "a small array goes inline, as the wire's ARRAY value"
-    payload = {"slot": (SLOT, 9), "deadline": 10.0, "admitted": 1.0, "item": placed}
-    data = wire.pack_request((0, "0.9", 1.0, payload))
+    data = wire.pack_request(wire.RequestMessage(0, "0.9", SLOT, 9, 1.0, 10.0, placed))
     assert len(data) < 4096, "the large data stayed in the slot"
-    front_end, uid, queued, received = wire.unpack_request(data)
-    assert (front_end, uid, queued, received["slot"]) == (0, "0.9", 1.0, [SLOT, 9])
-    assert references(received["item"]) == references(placed)
-    resolved = items.resolve(received["item"], slot.read)
+    received = wire.unpack_request(data)
+    assert (received.front_end, received.uid, received.admitted, received.slot) == (0, "0.9", 1.0, SLOT)
+    assert references(received.item) == references(placed)
+    resolved = items.resolve(received.item, slot.read)
     assert_same(resolved, expected(original))
     assert all(array.flags.writeable for array in resolved.values() if isinstance(array, np.ndarray)), (
         "predict may write into what it gets"
@@ -239,18 +237,16 @@ def test_a_placed_item_travels_in_a_request_message_and_resolves_in_the_worker(s
 def test_an_output_travels_in_an_answer_and_resolves_in_the_front_end(slot: Slot) -> None:
     output = {"boxes": RNG.random((300, 4), dtype=np.float32), "labels": ["cat", "dog"], "png": RNG.bytes(3000)}
     placed = items.place(output, slot.write, inline_bytes=1024, inline_arrays=1024)
-    answer = wire.unpack_answer(wire.pack_answer(("uid", (placed, "OK", LoopResponseType.REGULAR, 0))))
-    assert answer is not None
-    assert_same(items.resolve(answer[1][0], slot.read), expected(output))
+    uid, answer = wire.unpack_answer(wire.pack_answer("uid", placed))
+    assert_same(items.resolve(answer, slot.read), expected(output))
 
 
 def test_a_zero_dimensional_output_keeps_its_shape_inline(slot: Slot) -> None:
     """One item's share of a batch of scores (the default unbatch of an N tensor) is 0-d, and arrives 0-d."""
     (score, _) = split(torch.tensor([0.25, 0.75]))
     placed = items.place(score, slot.write, inline_bytes=1024, inline_arrays=1024)
-    answer = wire.unpack_answer(wire.pack_answer(("uid", (placed, "OK", LoopResponseType.REGULAR, 0))))
-    assert answer is not None
-    assert_same(items.resolve(answer[1][0], slot.read), np.array(0.25, dtype=np.float32))
+    uid, answer = wire.unpack_answer(wire.pack_answer("uid", placed))
+    assert_same(items.resolve(answer, slot.read), np.array(0.25, dtype=np.float32))
 
 
 def test_a_reference_past_what_the_slot_holds_is_an_error_not_garbage(slot: Slot) -> None:
@@ -264,8 +260,7 @@ def test_a_reference_past_what_the_slot_holds_is_an_error_not_garbage(slot: Slot
 
 def hostile(value: Any) -> bytes:
     """A request datagram whose item holds `value` (built by hand, not by `wire.pack_request`)."""
-    payload = {"slot": [0, 1], "deadline": 2.0, "admitted": 1.0, "item": {"x": [value]}}
-    return msgpack.packb([0, "uid", 1.0, payload])
+    return msgpack.packb([0, "uid", 0, 1, 1.0, 2.0, {"x": [value]}])
 
 
 def ext(code: int, *fields: Any) -> msgpack.ExtType:
@@ -321,20 +316,50 @@ def test_seeded_mutations_of_a_request_with_references_stay_in_bounds() -> None:
     follow safely (offset and sizes bounded, at most MAX_DIMENSIONS, a dtype of numbers)."""
     rng = random.Random(31)
     placed = items.place(tree(), lambda array, offset: None, inline_bytes=1024, inline_arrays=64)
-    seed = wire.pack_request((0, "uid", 1.0, {"slot": (0, 1), "deadline": 2.0, "admitted": 1.0, "item": placed}))
+    seed = wire.pack_request(wire.RequestMessage(0, "uid", 0, 1, 1.0, 2.0, placed))
     for _ in range(3000):
         data = bytearray(seed)
         for _ in range(rng.randrange(1, 4)):
             where = rng.randrange(len(data))
             data[where] = rng.randrange(256)
         try:
-            _, _, _, payload = wire.unpack_request(bytes(data))
+            received = wire.unpack_request(bytes(data))
         except wire.WireError:
             continue
-        for reference in references(payload["item"]):
+        for reference in references(received.item):
             assert 0 <= reference.offset < 2**40
             if isinstance(reference, InSlot):
                 assert len(reference.shape) <= wire.MAX_DIMENSIONS and min(reference.shape, default=0) >= 0
                 assert np.dtype(reference.dtype).kind in items.ARRAY_KINDS
             else:
                 assert 0 <= reference.length < 2**40
+
+
+def test_the_worker_reads_an_item_as_views_of_its_slot_without_a_copy(slot: Slot) -> None:
+    """The worker's arrays lie in the slot itself: what the front end writes there is what they hold, and a write
+    to one lands in the slot (no second copy between the slot and the batch)."""
+    original = {"image": RNG.integers(0, 256, (64, 48, 3), dtype=np.uint8), "scale": np.arange(10.0)}
+    placed = items.place(original, slot.write)
+    views = items.resolve(placed, lambda offset, shape, dtype: slot.files.view(SLOT, shape, dtype, offset))
+    assert_same(views, original)
+    views["image"][0, 0] = (1, 2, 3)
+    assert (slot.read(placed["image"].offset, (64, 48, 3), "|u1")[0, 0] == (1, 2, 3)).all()
+    grown = RNG.integers(0, 256, (512, 512, 3), dtype=np.uint8)  # a later request in the same slot, larger
+    again = items.resolve(items.place(grown, slot.write), lambda o, s, d: slot.files.view(SLOT, s, d, o))
+    assert_same(again, grown)
+
+
+def test_an_output_that_still_lies_in_the_slot_is_copied_before_the_outputs_are_placed(slot: Slot) -> None:
+    """An API that answers with (part of) its input: placing the outputs from offset 0 would overwrite that input
+    while it is still being read, so `detached` copies exactly the outputs that share the slot's memory."""
+    image = RNG.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    placed = items.place({"scores": np.zeros(4096, np.float32), "image": image}, slot.write)
+    views = items.resolve(placed, lambda offset, shape, dtype: slot.files.view(SLOT, shape, dtype, offset))
+    fresh = np.ones(8000, dtype=np.float32)  # written first, over where the input's image lies
+    output = [fresh, views["image"], torch.from_numpy(views["image"][::2])]
+    own = items.detached(output, items.arrays_of(views))
+    assert own[0] is fresh, "an output of its own is not copied"
+    assert not np.may_share_memory(own[1], views["image"]) and not np.may_share_memory(own[2].numpy(), views["image"])
+    answer = items.resolve(items.place(own, slot.write), slot.read)
+    assert_same(answer[1], image)
+    assert_same(answer[2], image[::2])

@@ -18,13 +18,13 @@ from imgserve.handoff import wire
 from imgserve.handoff.items import InSlot
 from imgserve.handoff.requests import RequestSocket
 
-SPAWN = mp.get_context("spawn")  # as LitServe starts its inference workers
+SPAWN = mp.get_context("spawn")  # as the main process starts its inference workers
 
 
-def request(uid: str, slot: int = 0) -> tuple:
-    """A request message as a worker receives it (a front end may send tuples inside; msgpack makes them lists)."""
+def request(uid: str, slot: int = 0) -> wire.RequestMessage:
+    """A request message as a worker receives it."""
     item = {"image": InSlot(0, (8, 8, 3), "|u1"), "threshold": 0.5}
-    return 0, uid, 1.0, {"slot": [slot, 1], "deadline": 2.0, "admitted": 1.0, "item": item}
+    return wire.RequestMessage(0, uid, slot, 1, 1.0, 2.0, item)
 
 
 def packed(uid: str, slot: int = 0) -> bytes:
@@ -71,7 +71,7 @@ def test_every_request_reaches_exactly_one_worker(tmp_path: Path) -> None:
     for worker in workers:
         worker.join(timeout=30)
     everything = [message for messages in taken.values() for message in messages]
-    assert sorted(everything, key=lambda m: m[1]) == sorted(sent, key=lambda m: m[1])  # all of them, once each
+    assert sorted(everything, key=lambda m: m.uid) == sorted(sent, key=lambda m: m.uid)  # all of them, once each
     assert all(taken.values())  # shared among the workers, not one taking everything
 
 
@@ -132,9 +132,9 @@ def test_an_event_loop_send_never_blocks_it_says_when_the_queue_is_full(tmp_path
         sent += 1
     assert 0 < sent < 100_000  # the kernel's queue filled up
     assert not requests.put_nowait(packed("one too many"))
-    assert requests.get(timeout=1)[1] == "uid-0"  # in order, and the refused one was not queued
+    assert requests.get(timeout=1).uid == "uid-0"  # in order, and the refused one was not queued
     assert requests.put_nowait(packed("room again"))
-    received = [requests.get(timeout=1)[1] for _ in range(sent)]
+    received = [requests.get(timeout=1).uid for _ in range(sent)]
     assert received[-1] == "room again" and "one too many" not in received
 
 
@@ -144,7 +144,7 @@ def test_a_datagram_that_is_not_a_request_is_dropped_and_the_next_request_taken(
     """Whatever lands on the socket (garbage, a request cut short by the receive size), `get` logs and drops it and
     returns the next real request."""
     requests = RequestSocket(tmp_path)
-    huge = wire.pack_request((0, "huge", 1.0, {**request("huge")[3], "item": "x" * 20_000}))
+    huge = wire.pack_request(wire.RequestMessage(0, "huge", 0, 1, 1.0, 2.0, "x" * 20_000))
     for data in (b"\x93garbage", huge, packed("real")):
         requests.put(data)
     with caplog.at_level("WARNING", logger="imgserve.handoff.requests"):

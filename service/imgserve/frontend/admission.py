@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from imgserve.config import Settings
+from imgserve.config import ServerSettings
 from imgserve.errors import ApiError
 from imgserve.frontend.telemetry import INFER_ROUTES, route
 from imgserve.handoff.state import SharedState
@@ -29,7 +29,7 @@ SECONDS = re.compile(r"\d+(\.\d*)?|\.\d+")
 class Admission:
     """The pod-wide decision whether a new request may come in at all (draining, queue full)."""
 
-    def __init__(self, state: SharedState, settings: Settings, limit: Callable[[], int]) -> None:
+    def __init__(self, state: SharedState, settings: ServerSettings, limit: Callable[[], int]) -> None:
         self.state, self.settings, self.limit = state, settings, limit
         self._rejected = {reason: REJECTED.labels(reason) for reason in SHED_MESSAGES}
 
@@ -67,7 +67,7 @@ class Admission:
 class AdmissionMiddleware:
     """Receive an inference request's body under the upload bound and its deadline, unless the pod is full."""
 
-    def __init__(self, app: ASGIApp, admission: Admission, settings: Settings) -> None:
+    def __init__(self, app: ASGIApp, admission: Admission, settings: ServerSettings) -> None:
         self.app, self.admission, self.settings = app, admission, settings
         self.uploads = 0  # bodies being received by this front-end process
 

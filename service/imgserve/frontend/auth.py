@@ -21,7 +21,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from imgserve.config import Settings
+from imgserve.config import Access
 from imgserve.errors import ApiError
 from imgserve.frontend.telemetry import DOCS_PATHS, INFER_ROUTES, route
 from imgserve.metrics import API_KEY_RELOAD_FAILURES
@@ -32,10 +32,10 @@ POLL_S = 1.0  # how often a front end re-reads the key file
 log = logging.getLogger(__name__)
 
 
-def guarded_routes(settings: Settings) -> set[str]:
+def guarded_routes(access: Access) -> set[str]:
     """The route labels (telemetry.route) that need a key when keys are configured: the inference routes, and with
     protect_metrics what describes the server (/metrics, /info, /docs, /openapi.json)."""
-    described = {"/metrics", "/info", *DOCS_PATHS} if settings.protect_metrics else set()
+    described = {"/metrics", "/info", *DOCS_PATHS} if access.protect_metrics else set()
     return INFER_ROUTES | described
 
 
@@ -101,10 +101,10 @@ class Keys:
         self._remember(self.keys)
 
     @classmethod
-    def load(cls, settings: Settings, last_good: Path | None = None) -> Keys:
+    def load(cls, access: Access, last_good: Path | None = None) -> Keys:
         """The settings' keys; KeyProblem when a key source that is set yields none (`imgserve serve` exits 2)."""
-        fixed = parse_key_list(settings.api_key) if settings.api_key is not None else ()
-        return cls(fixed, settings.api_key_file or "", last_good)
+        fixed = parse_key_list(access.api_key) if access.api_key is not None else ()
+        return cls(fixed, access.api_key_file or "", last_good)
 
     def allow(self, given: bytes | None) -> bool:
         """Whether a request presenting `given` (None: no key) may pass."""
@@ -169,10 +169,10 @@ class Keys:
 class ApiKeyMiddleware:
     """401 with `WWW-Authenticate: Bearer` for a guarded route without a valid key."""
 
-    def __init__(self, app: ASGIApp, settings: Settings, keys: Keys) -> None:
+    def __init__(self, app: ASGIApp, access: Access, keys: Keys) -> None:
         self.app, self.keys = app, keys
         self.keys.watch()  # built by the front end as it starts, before it serves
-        self.guarded = guarded_routes(settings)
+        self.guarded = guarded_routes(access)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or route(scope["path"]) not in self.guarded or self._allowed(scope):

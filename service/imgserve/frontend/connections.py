@@ -30,7 +30,7 @@ import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from imgserve import metrics
-from imgserve.config import Settings
+from imgserve.config import ServerSettings
 from imgserve.errors import ApiError
 from imgserve.frontend import telemetry
 from imgserve.frontend.admission import SHED_MESSAGES, Admission
@@ -78,13 +78,13 @@ class _Transport:
 class GuardedHttpToolsProtocol(HttpToolsProtocol):
     """HttpToolsProtocol with connection, header, time and upload-rate limits; see the module docstring."""
 
-    settings: ClassVar[Settings]
+    settings: ClassVar[ServerSettings]
     admission: ClassVar[Admission]
     refusals: ClassVar[dict[str, tuple[ApiError, bytes]]]  # pre-built answers by name
     shed_counts: ClassVar[dict[str, Any]]  # imgserve_requests_total{route, code="503"} of each inference route
 
     @classmethod
-    def configured(cls, settings: Settings, admission: Admission) -> type[GuardedHttpToolsProtocol]:
+    def configured(cls, settings: ServerSettings, admission: Admission) -> type[GuardedHttpToolsProtocol]:
         """The protocol class for uvicorn's `http=` option, bound to this server's settings and admission."""
         retry = settings.retry_after_s
         errors = [

@@ -21,7 +21,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import BaseRoute
 
 from imgserve.api import ImageAPI
-from imgserve.config import Settings
+from imgserve.config import Access
 from imgserve.errors import ApiError
 from imgserve.frontend.auth import guarded_routes
 from imgserve.frontend.telemetry import PREDICT_PATHS, route
@@ -29,9 +29,8 @@ from imgserve.frontend.v2 import schemas as v2
 from imgserve.frontend.v2.http import HEADER_LENGTH
 from imgserve.frontend.v2.http import NOT_READY as V2_NOT_READY
 from imgserve.frontend.v2.model import VERSION
-from imgserve.models.builtin import ModelAPI
+from imgserve.litapi import LitServeAPI
 from imgserve.models.loader import ModelLoadError
-from imgserve.models.render import PredictParams
 from imgserve.version import __version__
 
 TAGS = [
@@ -108,10 +107,10 @@ class Describer:
     """Each route this server serves as a FastAPI route that describes it: what it reads, what it answers (its
     errors in its protocol's envelope) and, where API keys guard it, the keys it takes."""
 
-    def __init__(self, settings: Settings, api: Any) -> None:
-        self.settings, self.api = settings, api
-        self.keys = settings.api_key is not None or bool(settings.api_key_file)
-        self.guarded = guarded_routes(settings)
+    def __init__(self, access: Access, api: ImageAPI) -> None:
+        self.api = api
+        self.keys = access.api_key is not None or bool(access.api_key_file)
+        self.guarded = guarded_routes(access)
 
     def route(
         self,
@@ -154,10 +153,9 @@ class Describer:
 
     def predict(self, app_routes: Sequence[BaseRoute]) -> list[APIRoute]:
         """POST /predict and /v1/images:predict for an ImageAPI; a plain LitAPI's route, as FastAPI describes it."""
-        if not isinstance(self.api, ImageAPI):
+        if isinstance(self.api, LitServeAPI):
             return [self._litserve(found) for found in app_routes if isinstance(found, APIRoute)]
-        builtin = isinstance(self.api, ModelAPI)
-        statuses = PREDICT_ERRORS if builtin else {**PREDICT_ERRORS, "default": HOOK_ERROR}
+        statuses = {**PREDICT_ERRORS, "default": HOOK_ERROR}
         return [
             self.route(
                 path,
@@ -167,42 +165,37 @@ class Describer:
                 self._predict_parameters(),
                 IMAGE_BODY,
                 summary="Run the model on one image",
-                description=self._predict_text(builtin),
-                responses={200: self._predict_answer(builtin), **self.errors(path, statuses)},
+                description=self._predict_text(),
+                responses={200: self._predict_answer(), **self.errors(path, statuses)},
             )
             for path in PREDICT_PATHS
         ]
 
     def _predict_parameters(self) -> list[inspect.Parameter]:
-        """The multipart `file`, the fields the API reads (the built-in API: its query parameters) and the deadline."""
+        """The multipart `file`, the fields the API reads (its `request_model`, from the query string or the form)
+        and the deadline."""
         upload = "The image; or send it as the whole body, with an image/* Content-Type"
         found = [_param("file", Annotated[UploadFile, File(description=upload)])]
-        if isinstance(self.api, ModelAPI):
-            found.append(_param("params", Annotated[PredictParams, Query()]))
-        elif (fields := request_model(self.api)) is not None:
+        if (fields := request_model(self.api)) is not None:
             found += [_param("fields", Annotated[fields, Form()]), _param("query", Annotated[fields, Query()])]
         timeout = "This request's deadline in seconds (default request_timeout_s, at most max_request_timeout_s)"
         header = Header(alias="X-Request-Timeout", description=timeout)
         return [*found, _param("timeout", Annotated[float | None, header], None)]
 
-    def _predict_text(self, builtin: bool) -> str:
-        if builtin:
-            return (
-                "Answers by the model's output kind (`task` in GET /info): an image (`format`, else the `Accept` "
-                "header's first image type, else the server's default), class scores (`top_k`), a mask (PNG, or "
-                "JSON with `format=json`) or detections (`score_threshold`)."
-            )
-        text = f"What `{type(self.api).__qualname__}.encode_response` answers (JSON unless it says otherwise)."
+    def _predict_text(self) -> str:
+        """The API's docstring, else what its encode_response answers; and where its fields go."""
+        text = inspect.cleandoc(type(self.api).__doc__ or "").partition("\n\n")[0].replace("\n", " ")
+        text = text or f"What `{type(self.api).__qualname__}.encode_response` answers."
         if request_model(self.api) is not None:
             text += " Its fields go in the query string, or with a multipart upload in the form."
         return text
 
-    def _predict_answer(self, builtin: bool) -> dict[str, Any]:
-        if not builtin:
-            return {"description": "The API's answer", "content": {"application/json": {"schema": {}}}}
-        images = {f"image/{kind}": {"schema": binary(f"image/{kind}")} for kind in ("jpeg", "png", "webp")}
-        scores = {"application/json": {"schema": {"type": "object"}}}
-        return {"description": "The output image, or JSON (scores, mask, detections)", "content": {**images, **scores}}
+    def _predict_answer(self) -> dict[str, Any]:
+        """The media types the API says it answers with (`response_types`)."""
+        content = {
+            kind: {"schema": {} if kind == "application/json" else binary(kind)} for kind in self.api.response_types
+        }
+        return {"description": "The API's answer", "content": content}
 
     def _litserve(self, found: APIRoute) -> APIRoute:
         """A plain LitAPI's route as FastAPI describes it, with the answers imgserve adds around it."""
@@ -340,18 +333,18 @@ def request_model(api: Any) -> type[BaseModel] | None:
     return found
 
 
-def document(settings: Settings, api: Any, v2_name: str | None, app_routes: Sequence[BaseRoute]) -> dict[str, Any]:
+def document(access: Access, api: ImageAPI, v2_name: str | None, app_routes: Sequence[BaseRoute]) -> dict[str, Any]:
     """The OpenAPI document of `api` as this server serves it: /predict (or a plain LitAPI's route, from
     `app_routes`), health, /info, /metrics and, where `v2_name` names the model, the Open Inference Protocol's
     routes. ModelLoadError when the API's declarations cannot be described."""
-    describer = Describer(settings, api)
+    describer = Describer(access, api)
     routes = [*describer.predict(app_routes), *describer.health()]
     if v2_name is not None:
         routes += describer.v2(v2_name)
-    text = inspect.cleandoc(type(api).__doc__ or "") if not isinstance(api, ModelAPI) else ""
+    text = inspect.cleandoc(type(api).__doc__ or "")
     try:
         found = get_openapi(
-            title=f"imgserve: {settings.model if isinstance(api, ModelAPI) else type(api).__qualname__}",
+            title=f"imgserve: {api.describe()}",
             version=__version__,
             description=text or None,
             routes=routes,

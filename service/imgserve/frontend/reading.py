@@ -9,10 +9,9 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request as StarletteRequest
 
-from imgserve.api import Request, UploadedFile
+from imgserve.api import FORM_TYPES, Request, UploadedFile
 from imgserve.errors import ApiError
 
-FORM_TYPES = ("multipart/form-data", "application/x-www-form-urlencoded")
 MAX_FILES = 16
 MAX_FIELDS = 64
 

@@ -6,14 +6,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from litserve.utils import WorkerSetupStatus
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from imgserve.api import ImageAPI, encoder
 from imgserve.api import Request as ApiRequest
-from imgserve.config import Settings
 from imgserve.errors import ApiError
 from imgserve.frontend.inference import Inference, Steps
 from imgserve.frontend.reading import call_size, read_request
@@ -26,15 +24,15 @@ class Routes:
 
     def __init__(
         self,
-        settings: Settings,
         state: SharedState,
         inference: Inference,
         metrics_body: Callable[[], bytes],
         describe: Callable[[], dict[str, Any]],
-        setup_status: Callable[[], dict[str, str]],
+        serves_grpc: bool,
+        max_image_pixels: int,
     ) -> None:
-        self.settings, self.state, self.inference, self.metrics_body = settings, state, inference, metrics_body
-        self.describe, self.setup_status = describe, setup_status
+        self.state, self.inference, self.metrics_body, self.describe = state, inference, metrics_body, describe
+        self.serves_grpc, self.max_image_pixels = serves_grpc, max_image_pixels
 
     def predict_with(self, api: ImageAPI) -> Callable[[Request], Awaitable[Response]]:
         """POST /predict for `api`: the call read into a Request, decoded, run, encoded and answered."""
@@ -45,7 +43,7 @@ class Routes:
 
         async def predict(request: Request) -> Response:
             try:
-                call = await read_request(request, self.settings.max_image_pixels)
+                call = await read_request(request, self.max_image_pixels)
                 (response,) = await self.inference.run([call], request.scope["state"]["deadline"], steps)
                 return response
             except ApiError as error:
@@ -60,10 +58,9 @@ class Routes:
             return "draining"
         if not self.state.all_workers_alive:
             return "worker restarting"
-        status = self.setup_status()
-        if not status or any(value != WorkerSetupStatus.READY for value in status.values()):
+        if not self.state.workers_ready:
             return "model loading"
-        if self.settings.grpc_port and not self.state.grpc_serving:  # the first front end has not started it yet
+        if self.serves_grpc and not self.state.grpc_serving:  # the first front end has not started it yet
             return "gRPC starting"
         return None
 

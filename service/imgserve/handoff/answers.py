@@ -1,12 +1,9 @@
 """Answers from the inference workers to each front end: one Unix datagram socket per front end.
 
-LitServe 0.2.19 (pinned `<0.3`) sends every answer through a Manager queue: a synchronous round trip to the queue
-process for the worker, another for the front end, and the queue process's CPU for both (docs/architecture.md
-measures it). A datagram is sent without waiting for anyone, and is delivered whole or not
+A datagram is sent without waiting for anyone (no round trip through a queue process), and is delivered whole or not
 at all: a worker killed while sending cannot corrupt what the others send, and there is no shared lock for it to die
-holding. This plugs in at LitServe's own seam, its `MessageTransport`: the workers' loop calls `send` as it would
-on LitServe's transport. Answers are msgpack (`wire`); each front end's socket is a file in the server's private
-directory, so only the server's user can send to it. Requests travel the same way (handoff/requests.py).
+holding. Answers are msgpack (`wire`); each front end's socket is a file in the server's private directory, so only
+the server's user can send to it. Requests travel the same way (handoff/requests.py).
 """
 
 from __future__ import annotations
@@ -16,9 +13,6 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-from litserve.transport.base import MessageTransport
-from litserve.utils import LitAPIStatus
 
 from imgserve.errors import ApiError
 from imgserve.handoff import wire
@@ -40,9 +34,9 @@ class FrontEndAnswers:
     def fileno(self) -> int:
         return self._socket.fileno()
 
-    def receive_ready(self, most: int = READ_AT_ONCE) -> Iterator[Any]:
-        """The answers that have arrived (up to `most`), as the workers' loop sent them; None when the server shuts
-        down. Nothing when none is there; a datagram that is not an answer is dropped."""
+    def receive_ready(self, most: int = READ_AT_ONCE) -> Iterator[tuple[str, Any]]:
+        """The answers that have arrived (up to `most`): (uid, output) each. Nothing when none is there; a datagram
+        that is not an answer is dropped."""
         for _ in range(most):
             try:
                 data = self._socket.recv(MAX_ANSWER_BYTES)
@@ -54,7 +48,7 @@ class FrontEndAnswers:
                 log.warning("dropped a datagram on the answer socket that is not an answer (%s)", exc)
 
 
-class AnswerSockets(MessageTransport):
+class AnswerSockets:
     """Where the workers send each front end's answers: a socket per front end in the server's private directory."""
 
     def __init__(self, directory: Path, front_ends: int) -> None:
@@ -68,30 +62,21 @@ class AnswerSockets(MessageTransport):
         """Bind front end `front_end`'s socket (in its own process, before it takes any request)."""
         return FrontEndAnswers(self.addresses[front_end])
 
-    def send(self, item: Any, consumer_id: int) -> None:
-        """Send one answer (uid, (output, status, kind, worker)) to its front end, without waiting for it."""
+    def send(self, front_end: int, uid: str, output: Any) -> None:
+        """Send one answer to its front end, without waiting for it; an output that cannot travel, or is too large
+        for an answer, goes as the 500 that says so."""
         try:
-            data, error = wire.pack_answer(item), None
+            data, error = wire.pack_answer(uid, output), None
         except TypeError as exc:  # a value the wire does not carry (wire.pack_answer says which)
             error = ApiError(500, "bad_model_output", str(exc))
         if error is None and len(data) > MAX_ANSWER_BYTES:
             error = ApiError(500, "answer_too_large", f"the model's answer is {len(data)} bytes")
         if error is not None:
-            uid, (_, _, kind, worker) = item
-            data = wire.pack_answer((uid, (error, LitAPIStatus.OK, kind, worker)))
+            data = wire.pack_answer(uid, error)
         try:
-            self._socket().sendto(data, self.addresses[consumer_id])
+            self._socket().sendto(data, self.addresses[front_end])
         except OSError as exc:  # the front end is gone (shutdown) or read nothing for SEND_TIMEOUT_S
-            log.warning("an answer to front end %d was dropped: %s", consumer_id, exc)
-
-    async def areceive(self, timeout: int | None = None, consumer_id: int | None = None) -> dict:
-        raise NotImplementedError("imgserve's front ends read their answers with FrontEndAnswers.receive_ready")
-
-    def close(self, send_sentinel: bool = True, **kwargs: Any) -> None:
-        """At shutdown: tell each front end's reader to stop."""
-        if send_sentinel:
-            for index in range(len(self.addresses)):
-                self.send(None, index)
+            log.warning("an answer to front end %d was dropped: %s", front_end, exc)
 
     def _socket(self) -> socket.socket:
         if self._sender is None:

@@ -1,9 +1,7 @@
 """The front end's side of the hand-off to the inference workers: slots, small messages, answers.
 
-This replaces LitServe 0.2.19's front-end plumbing (pinned `<0.3`). LitServe puts each request on its Manager queue
-from the event loop (a blocking round trip) and reads each answer with its own `asyncio.to_thread(queue.get)`.
-Here the event loop sends each request to the workers' datagram socket itself, without blocking (a sender thread
-takes over only while that socket's queue is full, every worker busy), and reads the answers from this front end's
+The event loop sends each request to the workers' datagram socket itself, without blocking (a sender thread takes
+over only while that socket's queue is full, every worker busy), and reads the answers from this front end's
 datagram socket (`answers`) as the selector reports them: no thread hop on the way there or back. The pixels go through
 the request's shared-memory slot (`pixel_slots`); a slot is reused only once its worker has answered (or died),
 never while a worker may still read or write it, even when the client has long had its 504.
@@ -24,13 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from litserve.utils import LitAPIStatus
 
 from imgserve import heap, metrics
 from imgserve.errors import ApiError
 from imgserve.handoff import items, wire
 from imgserve.handoff.answers import FrontEndAnswers
-from imgserve.handoff.requests import MAX_REQUEST_BYTES
+from imgserve.handoff.requests import MAX_REQUEST_BYTES, RequestSocket
 from imgserve.handoff.slots import SlotFiles
 from imgserve.handoff.state import SharedState
 
@@ -91,7 +88,7 @@ class Dispatcher:
         self.state, self.directory, self.slots_per_front_end = state, directory, slots_per_front_end
         self.retry_after_s = retry_after_s
 
-    def start(self, front_end: int, request_queue: Any, answers: FrontEndAnswers) -> None:
+    def start(self, front_end: int, request_queue: RequestSocket, answers: FrontEndAnswers) -> None:
         """In the front-end process, on its event loop: claim its slot range, read answers on the loop, and start
         the sender thread (for when the workers' queue is full)."""
         self.files = SlotFiles(self.directory)
@@ -133,8 +130,8 @@ class Dispatcher:
 
     async def submit(self, slot: Slot, item: Any, deadline: float) -> Any:
         uid, now = f"{self._front_end}.{slot.ticket:x}", time.monotonic()  # unique, and cheaper than a uuid4
-        payload = {"slot": (slot.index, slot.ticket), "deadline": deadline, "admitted": now, "item": item}
-        message = wire.pack_request((self._front_end, uid, now, payload))
+        request = wire.RequestMessage(self._front_end, uid, slot.index, slot.ticket, now, deadline, item)
+        message = wire.pack_request(request)
         if len(message) > MAX_REQUEST_BYTES:
             raise ApiError(
                 500,
@@ -144,16 +141,14 @@ class Dispatcher:
             )
         pending = slot.pending = self._pending[uid] = _Pending(uid, slot.index, slot.ticket, now, deadline, message)
         self._send(message)
-        output, status = await self._wait(pending)
-        if status == LitAPIStatus.ERROR or output is None:
-            raise ApiError(500, "internal_error", "the inference worker failed on this batch")
+        output = await self._wait(pending)
         if isinstance(output, ApiError):
             if output.code == "deadline":  # the worker dropped it unrun before this front end's timer said so
                 metrics.REJECTED.labels("deadline").inc()
             raise output
         return output
 
-    async def _wait(self, pending: _Pending) -> tuple[Any, Any]:
+    async def _wait(self, pending: _Pending) -> Any:
         while not pending.answer.done():
             remaining = pending.deadline - time.monotonic()
             if remaining <= 0:
@@ -161,8 +156,7 @@ class Dispatcher:
                 raise ApiError(504, "deadline", "no answer before the request's deadline")
             if self._lost(pending):
                 metrics.REJECTED.labels("worker_lost").inc()
-                lost = "the request queue" if self.state.queue_lost else "the inference worker"
-                raise ApiError(503, "worker_lost", f"{lost} died", self.retry_after_s)
+                raise ApiError(503, "worker_lost", "the inference worker died", self.retry_after_s)
             self._resend_if_lost_in_transit(pending)
             await asyncio.wait((pending.answer,), timeout=min(remaining, WORKER_CHECK_S))
         return pending.answer.result()
@@ -178,8 +172,8 @@ class Dispatcher:
             self._send(pending.message)
 
     def _lost(self, pending: _Pending) -> bool:
-        """Will no answer come? The worker process that took it died, or the queue itself died."""
-        return self.state.queue_lost or self.state.taker_died(pending.slot, pending.ticket)
+        """Will no answer come? The worker process that took it died."""
+        return self.state.taker_died(pending.slot, pending.ticket)
 
     def _release(self, index: int) -> None:
         self.files.trim(index)
@@ -187,12 +181,12 @@ class Dispatcher:
         self._freed_at[index] = time.monotonic()
         metrics.SLOTS_IN_USE.dec()
 
-    def _deliver(self, uid: str, output: Any, status: Any) -> None:
+    def _deliver(self, uid: str, output: Any) -> None:
         """Wake the request's handler, or free a given-up request's slot."""
         pending = self._pending.pop(uid, None)
         if pending is None:
             return  # an answer for a request whose slot was already freed (its worker was given up on)
-        pending.answer.set_result((output, status))
+        pending.answer.set_result(output)
         if pending.given_up:
             self._release(pending.slot)
 
@@ -232,14 +226,10 @@ class Dispatcher:
             message = self._outbox.get()
             try:
                 self._request_queue.put(message)
-            except (OSError, EOFError):  # the queue process is gone: the server is stopping
+            except OSError:  # the workers' socket is gone: the server is stopping
                 return
 
     def _read_answers(self) -> None:
         """On the event loop, when answers have arrived: deliver what is there (a bounded number per call)."""
-        for message in self._answers.receive_ready():
-            if message is None:  # the shutdown sentinel (AnswerSockets.close)
-                self._loop.remove_reader(self._answers.fileno())
-                return
-            uid, (output, status, *_) = message
-            self._deliver(uid, output, status)
+        for uid, output in self._answers.receive_ready():
+            self._deliver(uid, output)

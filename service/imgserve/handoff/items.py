@@ -104,5 +104,33 @@ def resolve(tree: Any, read: Read) -> Any:
     return tree
 
 
+def arrays_of(tree: Any) -> list[np.ndarray]:
+    """The arrays among a tree's leaves."""
+    if isinstance(tree, np.ndarray):
+        return [tree]
+    if isinstance(tree, list | tuple):
+        return [array for item in tree for array in arrays_of(item)]
+    if isinstance(tree, dict):
+        return [array for item in tree.values() for array in arrays_of(item)]
+    return []
+
+
+def detached(tree: Any, inputs: list[np.ndarray]) -> Any:
+    """The tree with each array or CPU tensor that may share memory with one of `inputs` replaced by a copy (an
+    output that still lies in its request's slot, which placing the outputs would overwrite)."""
+    if not inputs:
+        return tree
+    if isinstance(tree, torch.Tensor) and tree.device.type == "cpu" and tree.dtype != torch.bfloat16:
+        shared = any(np.may_share_memory(tree.detach().numpy(), array) for array in inputs)
+        return tree.clone() if shared else tree
+    if isinstance(tree, np.ndarray):
+        return tree.copy() if any(np.may_share_memory(tree, array) for array in inputs) else tree
+    if isinstance(tree, list | tuple):  # a list, as `place` makes of both
+        return [detached(item, inputs) for item in tree]
+    if isinstance(tree, dict):
+        return {key: detached(item, inputs) for key, item in tree.items()}
+    return tree
+
+
 def _aligned(offset: int) -> int:
     return -(-offset // ALIGN) * ALIGN

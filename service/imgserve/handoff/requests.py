@@ -1,14 +1,12 @@
 """Requests from the front ends to the inference workers: one Unix datagram socket that every worker reads.
 
-LitServe 0.2.19 (pinned `<0.3`) keeps its request queue in its Manager process: each request costs a synchronous
-round trip to that process for the front end's `put` and another for the worker's `get`, and the Manager's CPU for
-both. Here the main process binds one datagram socket before it starts the workers, and every worker receives on
-its own inherited copy of it: the kernel hands each request, whole, to exactly one of them. There is no lock a
-killed worker could die holding (a `multiprocessing.Queue` would leave its reader lock taken), and a request a
-killed worker had received but not yet marked taken is queued again by its front end (`dispatch`). It plugs in
-where LitServe keeps the queue (`litapi_request_queues`), with the methods its loops call: `put`, `get`,
-`get_nowait`. Only the small message travels (slot, shape, deadline), as msgpack (`wire`); the pixels are in the
-request's slot. The socket is a file in the server's private directory, so only the server's user can send to it.
+The main process binds one datagram socket before it starts the workers, and every worker receives on its own
+inherited copy of it: the kernel hands each request, whole, to exactly one of them, with no queue process in between
+(no round trip for the front end's `put` nor for the worker's `get`). There is no lock a killed worker could die
+holding (a `multiprocessing.Queue` would leave its reader lock taken), and a request a killed worker had received
+but not yet marked taken is queued again by its front end (`dispatch`). Only the small message travels (slot,
+deadline, the item's small values), as msgpack (`wire`); the pixels are in the request's slot. The socket is a file
+in the server's private directory, so only the server's user can send to it.
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ from queue import Empty
 from typing import Any
 
 from imgserve.handoff import wire
+from imgserve.handoff.wire import RequestMessage
 
 log = logging.getLogger(__name__)
 BUFFER_BYTES = 1024 * 1024  # asked of the kernel (capped by net.core.rmem_max); the datagram count has its own cap
@@ -59,7 +58,7 @@ class RequestSocket:
             return False
         return True
 
-    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+    def get(self, block: bool = True, timeout: float | None = None) -> RequestMessage:
         """The next request, as `queue.Queue.get`: raises `queue.Empty` when none comes within `timeout`.
 
         The socket is always in timeout mode (non-blocking underneath, which every worker's copy shares): a worker
@@ -77,5 +76,5 @@ class RequestSocket:
             except wire.WireError as exc:
                 log.warning("dropped a datagram on the request socket that is not a request (%s)", exc)
 
-    def get_nowait(self) -> Any:
+    def get_nowait(self) -> RequestMessage:
         return self.get(block=False)

@@ -2,13 +2,16 @@
 result back, so LitServe's queues (pickled through its Manager process) carry only a few small fields.
 
 One directory per server (`slots` in its private directory, handoff/directory.py), one file per slot, kept open by
-every process that uses it. Data moves with one `pread`/`pwrite` each way, straight into the worker's batch buffer
-and out of its uint8 result: no pickling, no mapping to keep in step.
+every process that uses it. The front end writes an item's arrays with one `pwrite` each and reads the outputs back
+with one `pread`; the worker maps the slot (`view`), so the arrays it hands the API lie in the slot itself and the
+API's `batch` makes the one copy into the batch. A worker's view is valid while its request is answered: the front
+end reuses or empties a slot only once its answer came (or its worker died).
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import os
 from pathlib import Path
 
@@ -35,6 +38,7 @@ class SlotFiles:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self._fds: dict[int, int] = {}
+        self._maps: dict[int, mmap.mmap] = {}  # the worker's mappings, by slot
 
     def _fd(self, slot: int) -> int:
         fd = self._fds.get(slot)
@@ -71,6 +75,21 @@ class SlotFiles:
         self.read_into(slot, out, offset)
         return out
 
+    def view(self, slot: int, shape: tuple[int, ...], dtype: str = "uint8", offset: int = 0) -> np.ndarray:
+        """The array of `shape` and `dtype` that lies in the slot at `offset`, without a copy (a shared mapping of
+        the slot file, remade when the slot has grown past it)."""
+        dtype_ = np.dtype(dtype)
+        count = int(np.prod(shape))
+        end = offset + count * dtype_.itemsize
+        mapped = self._maps.get(slot)
+        if mapped is None or len(mapped) < end:
+            fd = self._fd(slot)
+            size = os.fstat(fd).st_size
+            if size < end:
+                raise ApiError(500, "slot_short", f"slot {slot} holds {size} bytes, {end} expected")
+            mapped = self._maps[slot] = mmap.mmap(fd, size)  # an old mapping lives on while arrays use it
+        return np.frombuffer(mapped, dtype_, count, offset).reshape(shape)
+
     def trim(self, slot: int, keep_bytes: int = KEEP_BYTES) -> None:
         """Give the memory of a freed slot back when it holds more than `keep_bytes`."""
         fd = self._fds.get(slot)
@@ -78,6 +97,7 @@ class SlotFiles:
             os.ftruncate(fd, 0)
 
     def close(self) -> None:
+        self._maps.clear()
         for fd in self._fds.values():
             with contextlib.suppress(OSError):
                 os.close(fd)

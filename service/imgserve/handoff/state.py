@@ -1,4 +1,7 @@
-"""Counters and flags shared by every process of one server: HTTP front ends, inference workers, the main process."""
+"""Counters and flags shared by every process of one server: HTTP front ends, inference workers, the main process.
+
+They live in shared memory made by the main process before it starts any child (spawned workers and forked front ends
+alike get them), so no process has to be asked for them and none can take them down with it."""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ import time
 from typing import Any
 
 SETUP_FAILURE_BYTES = 2048
+STARTING, READY, FAILED = 0, 1, 2  # a worker process's start-up status
 # spawn-context primitives can be handed to spawned workers and inherited by forked front ends alike.
 _ctx = mp.get_context("spawn")
 
@@ -20,11 +24,11 @@ class SharedState:
         self._front_end = 0  # which front end this process is (set after the fork, in that process)
         self._draining = _ctx.Value("b", 0)
         self._grpc_front_end = _ctx.Value("i", -1)  # the front end whose gRPC server listens (--grpc-port); -1: none
-        self._queue_lost = _ctx.Value("b", 0)
         self._exit_code = _ctx.Value("i", 0)
         self._batch_size = _ctx.Value("i", 0)
         self._element_budget = _ctx.Value("q", 0)
         self._budget_bytes = _ctx.Value("q", 0)
+        self._status = _ctx.Array("b", workers)  # per worker index: its current process's STARTING, READY, FAILED
         self._alive = _ctx.Array("b", [1] * workers)
         self._lost_at = _ctx.Array("d", [0.0] * workers)
         self._lives = _ctx.Array("i", workers, lock=False)  # per worker index: how many of its processes died
@@ -99,9 +103,23 @@ class SharedState:
         """image, classify, segment or detect, as the workers decided at warm-up; None before the first is warm."""
         return self._task.value.decode() or None
 
-    def fail_setup(self, reason: str) -> None:
-        """A worker could not load or warm up the model: the one-line reason `imgserve serve` ends with."""
+    def fail_setup(self, worker: int, reason: str) -> None:
+        """Worker `worker` could not load or warm up the model: the one-line reason `imgserve serve` ends with."""
         self._setup_failure.value = reason.encode()[: SETUP_FAILURE_BYTES - 1]
+        self._status[worker] = FAILED
+
+    def worker_ready(self, worker: int) -> None:
+        """Worker `worker` has set up its API and measured it: it takes requests."""
+        self._status[worker] = READY
+        self._alive[worker] = 1
+
+    def worker_status(self, worker: int) -> int:
+        return self._status[worker]
+
+    @property
+    def workers_ready(self) -> bool:
+        """Every worker has set up its API and none has died since."""
+        return all(status == READY for status in self._status[:]) and self.all_workers_alive
 
     @property
     def setup_failure(self) -> str:
@@ -115,23 +133,13 @@ class SharedState:
             "budget_bytes": self._budget_bytes.value or None,
         }
 
-    # Worker health, kept by the main process's monitor.
+    # Worker health, kept by the main process's supervisor.
     def worker_lost(self, worker: int) -> None:
-        """Worker `worker`'s process died (called before its replacement starts)."""
+        """Worker `worker`'s process died (called before its replacement starts, which sets it up again)."""
+        self._status[worker] = STARTING
         self._alive[worker] = 0
         self._lost_at[worker] = time.monotonic()
         self._lives[worker] += 1
-
-    def worker_back(self, worker: int) -> None:
-        self._alive[worker] = 1
-
-    def lose_queue(self) -> None:
-        """LitServe's queue process died: nothing queued will reach a worker, so every waiting request fails now."""
-        self._queue_lost.value = 1
-
-    @property
-    def queue_lost(self) -> bool:
-        return bool(self._queue_lost.value)
 
     @property
     def all_workers_alive(self) -> bool:

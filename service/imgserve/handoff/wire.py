@@ -14,11 +14,11 @@ import contextlib
 import math
 import os
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import numpy as np
-from litserve.utils import LoopResponseType
 
 from imgserve.errors import ApiError
 from imgserve.handoff.items import ARRAY_KINDS, BytesInSlot, InSlot
@@ -42,47 +42,50 @@ def bound_socket(address: str, receive_buffer: int) -> socket.socket:
     return receiver
 
 
-# Requests: [front end, uid, queued at (monotonic), {"slot": [index, ticket], "deadline", "admitted", "item"}]
-def pack_request(message: tuple[int, str, float, dict[str, Any]]) -> bytes:
-    return msgpack.packb(message, default=_pack_value)
+@dataclass(frozen=True)
+class RequestMessage:
+    """One request as it travels to the workers: who queued it (front end and its uid for it), the slot that holds
+    its data (index and the ticket of this use of it), when it was admitted and by when it must be answered
+    (time.monotonic(), the same clock in every process of the host), and its item (handoff/items.py)."""
+
+    front_end: int
+    uid: str
+    slot: int
+    ticket: int
+    admitted: float
+    deadline: float
+    item: Any
 
 
-def unpack_request(data: bytes) -> tuple[int, str, float, dict[str, Any]]:
+def pack_request(message: RequestMessage) -> bytes:
+    """[front end, uid, slot, ticket, admitted, deadline, item]; TypeError for an item value that cannot travel."""
+    fields = [message.front_end, message.uid, message.slot, message.ticket, message.admitted, message.deadline]
+    return msgpack.packb([*fields, message.item], default=_pack_value)
+
+
+def unpack_request(data: bytes) -> RequestMessage:
     """The request as the front end queued it (lists where it sent tuples), or WireError."""
     message = _unpack(data, ext_hook=_unpack_item_value)
-    if not (isinstance(message, list) and len(message) == 4):
-        raise WireError("a request is an array of 4")
-    front_end, uid, queued, payload = message
-    _check(_is_int(front_end) and front_end >= 0 and isinstance(uid, str) and _is_time(queued), "request header")
-    _check(isinstance(payload, dict) and "item" in payload, "request payload")
-    slot = payload.get("slot")
-    _check(isinstance(slot, list) and len(slot) == 2 and all(_is_int(v) and v >= 0 for v in slot), "slot")
-    _check(_is_time(payload.get("deadline")) and _is_time(payload.get("admitted")), "deadline")
-    return front_end, uid, queued, payload
+    if not (isinstance(message, list) and len(message) == 7):
+        raise WireError("a request is an array of 7")
+    front_end, uid, slot, ticket, admitted, deadline, item = message
+    _check(_is_int(front_end) and front_end >= 0 and isinstance(uid, str), "request header")
+    _check(_is_int(slot) and slot >= 0 and _is_int(ticket) and ticket >= 0, "slot")
+    _check(_is_time(admitted) and _is_time(deadline), "deadline")
+    return RequestMessage(front_end, uid, slot, ticket, admitted, deadline, item)
 
 
-# Answers: [uid, output, status, response type, worker]
-def pack_answer(item: tuple[str, tuple[Any, str, LoopResponseType, int]] | None) -> bytes:
-    """None is the shutdown sentinel; otherwise LitServe's (uid, (output, status, response type, worker id))."""
-    if item is None:
-        return msgpack.packb(None)
-    uid, (output, status, kind, worker) = item
-    return msgpack.packb([uid, output, status, kind.value, worker], default=_pack_value)
+def pack_answer(uid: str, output: Any) -> bytes:
+    """[uid, output]: an item (arrays and bytes in the slot) or an ApiError; TypeError for what cannot travel."""
+    return msgpack.packb([uid, output], default=_pack_value)
 
 
-def unpack_answer(data: bytes) -> tuple[str, tuple[Any, str, LoopResponseType, int]] | None:
-    """The answer as the worker's loop sent it, None for the shutdown sentinel, or WireError."""
+def unpack_answer(data: bytes) -> tuple[str, Any]:
+    """(uid, output) as the worker sent them, or WireError."""
     message = _unpack(data, ext_hook=_unpack_value)
-    if message is None:
-        return None
-    if not (isinstance(message, list) and len(message) == 5):
-        raise WireError("an answer is an array of 5")
-    uid, output, status, kind, worker = message
-    _check(isinstance(uid, str) and isinstance(status, str) and _is_int(worker), "answer header")
-    try:
-        return uid, (output, status, LoopResponseType(kind), worker)
-    except ValueError:
-        raise WireError("answer type") from None
+    if not (isinstance(message, list) and len(message) == 2 and isinstance(message[0], str)):
+        raise WireError("an answer is an array of 2: uid, output")
+    return message[0], message[1]
 
 
 def _pack_value(value: Any) -> msgpack.ExtType:

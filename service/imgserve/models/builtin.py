@@ -18,7 +18,7 @@ import torch
 from starlette.responses import Response
 
 from imgserve.api import ImageAPI, Request, TensorSpec
-from imgserve.config import Settings
+from imgserve.config import BuiltinModel
 from imgserve.errors import ApiError
 from imgserve.models import outputs
 from imgserve.models.loader import ModelLoadError
@@ -55,18 +55,31 @@ class Batch:
     sizes: list[tuple[int, int]]
 
 
+def pads(settings: BuiltinModel, device_type: str) -> bool:
+    """Whether images of close sizes are padded into one batch: --pad-mixed-sizes, and auto on a GPU only."""
+    return device_type == "cuda" if settings.pad_mixed_sizes == "auto" else bool(settings.pad_mixed_sizes)
+
+
 class ModelAPI(ImageAPI):
-    """A model file and the flags that describe it (--preprocess, --task, --labels, --precision, ...)."""
+    """The built-in API over a model file: it answers by the model's output kind (`task` in GET /info): an image
+    (`format`, else the `Accept` header's first image type, else the server's default), class scores (`top_k`), a
+    mask (PNG, or JSON with `format=json`) or detections (`score_threshold`).
+
+    Built from the built-in model's settings (--model, --preprocess, --task, --labels, --precision, ...).
+    """
 
     inputs = (TensorSpec("image", "BYTES", (1,)), TensorSpec("pixels", "UINT8", (-1, -1, 3)))
+    request_model = PredictParams
+    response_types = ("image/jpeg", "image/png", "image/webp", "application/json")
 
-    def __init__(self, settings: Settings, kinds: KindRecord, pad: bool) -> None:
-        super().__init__(max_batch_size=settings.max_batch_size, batch_timeout=settings.batch_timeout_ms / 1000)
-        self.settings, self.kinds = settings, kinds
+    def __init__(self, settings: BuiltinModel, kinds: KindRecord, pad: bool, retry_after_s: int = 1) -> None:
+        super().__init__()
+        self.settings, self.kinds, self.retry_after_s = settings, kinds, retry_after_s
         self.model, self.model_factory = settings.model, settings.model_factory  # type: ignore[misc]
         self.name = settings.served_name  # type: ignore[misc]
+        self.precision = settings.precision  # type: ignore[misc]
         self.labels = outputs.read_labels(settings.labels)  # type: ignore[misc]
-        self.group_by_shape = not pad  # type: ignore[misc]  # on a GPU, images of close sizes are padded together
+        self.group_by_shape = not pad  # type: ignore[misc]  # images of close sizes are padded together
         self.preprocess = Preprocess.from_settings(settings)
         self.renderer = Renderer(settings, list(self.labels))
         self.probe_side = settings.input_size or PROBE_SIDE
@@ -80,7 +93,7 @@ class ModelAPI(ImageAPI):
     def kind(self) -> str:
         kind = self.kinds.task
         if kind is None:
-            raise ApiError(503, "model_loading", "the model is still loading", self.settings.retry_after_s)
+            raise ApiError(503, "model_loading", "the model is still loading", self.retry_after_s)
         return kind
 
     # In each inference worker.
@@ -126,7 +139,7 @@ class ModelAPI(ImageAPI):
         """The upload as the model's uint8 HxWx3 input; the query parameters and how the input was cut from the
         upload stay in the request's context for the answer."""
         if request.protocol == "http":
-            request.context["params"] = PredictParams.parse(request.query)
+            request.context["params"] = PredictParams.parse({**request.form, **request.query})
         pixels, request.context["geometry"] = self.preprocess(request.open_image())
         return pixels
 

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from imgserve.config import Settings
+from imgserve.config import BuiltinModel
 
 FILTERS = {
     "bilinear": Image.Resampling.BILINEAR,
@@ -48,7 +48,7 @@ class Preprocess:
     interpolation: str = "bilinear"
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Preprocess:
+    def from_settings(cls, settings: BuiltinModel) -> Preprocess:
         return cls(settings.resize_size, settings.input_size, settings.interpolation)
 
     def __call__(self, image: Image.Image) -> Prepared:

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from imgserve import codec
 from imgserve.api import TensorSpec
-from imgserve.config import Settings
+from imgserve.config import BuiltinModel
 from imgserve.errors import ApiError
 from imgserve.models.outputs import UNSEEN
 from imgserve.models.preprocess import Geometry
@@ -80,7 +80,7 @@ PALETTE = _palette()
 class Renderer:
     """Turns a worker's result into the HTTP answer for the kind the workers decided at warm-up."""
 
-    def __init__(self, settings: Settings, labels: list[str]) -> None:
+    def __init__(self, settings: BuiltinModel, labels: list[str]) -> None:
         self.settings, self.labels = settings, labels
 
     def __call__(self, kind: str, output: Any, geometry: Geometry, params: PredictParams, accept: str) -> Response:

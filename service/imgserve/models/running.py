@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from imgserve.config import Settings
+from imgserve.config import BuiltinModel
 from imgserve.models import preprocess
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class ModelRunner:
         self._use_layout(channels_last)
 
     @classmethod
-    def for_settings(cls, model: torch.nn.Module, device: torch.device, settings: Settings) -> ModelRunner:
+    def for_settings(cls, model: torch.nn.Module, device: torch.device, settings: BuiltinModel) -> ModelRunner:
         """The runner the built-in API uses for `settings` on `device`."""
         return cls(
             model,

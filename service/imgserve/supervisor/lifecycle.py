@@ -1,89 +1,83 @@
-"""Shutdown: SIGTERM or Ctrl-C drains, then LitServe's own clean stop; only the main process acts on either.
+"""The main process's loop: start the children, watch them, drain on SIGTERM or Ctrl-C, then stop them.
 
-A terminal's Ctrl-C sends SIGINT to every process of the server. Left to themselves, the inference workers would die
-mid-batch and the front ends would shut down on their own while requests were in flight. So the children leave it to
-the main process, which drains as on SIGTERM and then stops them itself (Triton's and uvicorn's convention). A second
-Ctrl-C stops at once: the requests still in flight lose their connections."""
+Everything happens on the main thread: the signal handlers only set flags, and the loop acts on them every POLL_S. A
+terminal's Ctrl-C reaches every process of the server; the children leave it to the main process, which drains as
+on SIGTERM (not ready, new work refused with 503, in-flight requests finished) and then stops them itself (Triton's
+and uvicorn's convention). A second Ctrl-C stops at once: the requests still in flight lose their connections. A
+supervisor's Ending drains for a moment (FATAL_DRAIN_S) and ends the server with its exit code and one line.
+"""
 
 from __future__ import annotations
 
 import logging
-import os
 import signal
-import threading
 import time
-from typing import Protocol
+from dataclasses import dataclass
 
-from imgserve.config import Settings
 from imgserve.handoff.state import SharedState
+from imgserve.supervisor.children import Children, Ending, Supervisor
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2
+FATAL_DRAIN_S = 3.0  # on a fatal failure, how long the surviving processes get to answer what they hold
 FORCED_STOP_S = 1.0  # stopping with requests in flight: how long each front end gets before it is killed
+STOP_S = 10.0  # a clean stop: how long each child gets to end before it is killed
 
 
-class ManagedServer(Protocol):
-    """What the shutdown needs of the server (so this module does not import it)."""
+@dataclass
+class _Requested:
+    """What the signals asked for, read by the loop."""
 
-    settings: Settings
-    state: SharedState
-    uvicorn_graceful_timeout: float  # LitServe waits this long for each front end to stop before it kills it
+    drain: bool = False
+    stop_now: bool = False
 
 
-def install_drain_on_signals(server: ManagedServer) -> None:
-    """SIGTERM or Ctrl-C: turn not-ready, refuse new work (503), wait for in-flight requests, then shut down cleanly.
-    Ctrl-C while draining stops at once."""
+class Lifecycle:
+    """Runs the server's children from start to stop; `run` returns the exit code."""
 
-    main_pid = os.getpid()
+    def __init__(self, children: Children, state: SharedState, drain_timeout_s: float) -> None:
+        self.children, self.state, self.drain_timeout_s = children, state, drain_timeout_s
+        self.supervisor = Supervisor(children, state)
+        self.requested = _Requested()
 
-    def start_draining() -> None:
-        server.state.start_draining()
-        drain = threading.Thread(
-            target=drain_then_stop,
-            args=(server, server.settings.drain_timeout_s),
-            name="imgserve-drain",
-            daemon=True,
-        )
-        drain.start()
+    def run(self) -> int:
+        """0 after a clean drain, 1 when children kept dying, 2 when what the user named cannot be served."""
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+        # This also takes SIGINT back where a shell started the server as a background job, with SIGINT ignored.
+        signal.signal(signal.SIGINT, self._on_sigint)
+        self.children.start()
+        drain_until = self._watch()
+        while self.state.queue_depth > 0 and time.monotonic() < drain_until and not self.requested.stop_now:
+            time.sleep(POLL_S)
+        in_flight = self.state.queue_depth
+        if in_flight:
+            log.warning("stopping now, with %d requests in flight", in_flight)
+        self.children.stop(FORCED_STOP_S if in_flight else STOP_S)
+        return self.state.exit_code
 
-    def on_sigterm(signum: int, frame: object) -> None:
-        if os.getpid() != main_pid:  # a forked front end inherited this handler; LitServe is stopping it
-            raise SystemExit(0)
-        if not server.state.draining:
-            start_draining()
+    def _watch(self) -> float:
+        """Supervise until a drain is asked for or the supervisor ends the server; when the drain must end."""
+        while True:
+            if self.requested.drain:
+                self.state.start_draining()
+                log.info("draining %d in-flight requests", self.state.queue_depth)
+                return time.monotonic() + self.drain_timeout_s
+            ending = self.supervisor.check()
+            if ending is not None:
+                return self._end(ending)
+            time.sleep(POLL_S)
 
-    stopping = False
+    def _end(self, ending: Ending) -> float:
+        log.error("imgserve: %s", ending.reason)
+        self.state.start_draining(exit_code=ending.exit_code)
+        return time.monotonic() + FATAL_DRAIN_S
 
-    def on_sigint(signum: int, frame: object) -> None:
-        nonlocal stopping
-        if os.getpid() != main_pid or stopping:  # a forked front end (before uvicorn took its signals), or too late
+    def _on_sigterm(self, signum: int, frame: object) -> None:
+        self.requested.drain = True
+
+    def _on_sigint(self, signum: int, frame: object) -> None:
+        if self.requested.drain or self.state.draining:  # a second Ctrl-C: stop now
+            self.requested.stop_now = True
             return
-        if server.state.draining:  # a second Ctrl-C, or the end of the drain (stop()): LitServe's shutdown, once
-            if server.state.queue_depth:  # a second Ctrl-C, or a drain that timed out: its bound is the operator's
-                log.warning("stopping now, with %d requests in flight", server.state.queue_depth)
-                server.uvicorn_graceful_timeout = FORCED_STOP_S
-            stopping = True
-            raise KeyboardInterrupt
         log.info("Ctrl-C: draining (Ctrl-C again to stop now)")
-        start_draining()
-
-    signal.signal(signal.SIGTERM, on_sigterm)
-    # This also takes SIGINT back where a shell started the server as a background job, with SIGINT ignored.
-    signal.signal(signal.SIGINT, on_sigint)
-
-
-def drain_then_stop(server: ManagedServer, timeout_s: float) -> None:
-    """Wait up to `timeout_s` for the admitted requests to be answered (new ones get 503 draining), then stop."""
-    deadline = time.monotonic() + timeout_s
-    log.info("draining %d in-flight requests", server.state.queue_depth)
-    while server.state.queue_depth > 0 and time.monotonic() < deadline:
-        time.sleep(POLL_S)
-    if server.state.queue_depth:
-        log.warning("drain timeout: %d requests still in flight", server.state.queue_depth)
-    stop(server)
-
-
-def stop(server: ManagedServer) -> None:
-    """Let LitServe's own clean shutdown run (it handles KeyboardInterrupt, not SIGTERM): SIGINT to this process
-    while it drains."""
-    os.kill(os.getpid(), signal.SIGINT)
+        self.requested.drain = True

@@ -15,25 +15,18 @@ import logging
 import resource
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 
 from imgserve import heap
+from imgserve.api import ImageAPI
 from imgserve.errors import ApiError, fault, from_exception
 from imgserve.pod import AUTO_BATCH_CAP, available_ram
 
 log = logging.getLogger(__name__)
 MAX_PAD_WASTE = 2.0  # a padded chunk may hold at most twice the real elements
-
-
-class Hooks(Protocol):
-    """What the runner calls of an API: one chunk of decoded items in, one output per item out."""
-
-    group_by_shape: bool
-
-    def run(self, values: list[Any]) -> list[Any]: ...
 
 
 @dataclass(frozen=True)
@@ -126,16 +119,17 @@ def _padded_images(shapes: Sequence[Shape], budget: int) -> list[list[int]]:
 
 
 class BatchRunner:
-    """Runs the API over a gathered batch: one output (or ApiError) per decoded item, in order."""
+    """Runs the API's `batch` -> `predict` -> `unbatch` over a gathered batch: one output (or ApiError) per decoded
+    item, in order."""
 
-    def __init__(self, hooks: Hooks, device: torch.device, on_oom: Callable[[], None] = lambda: None) -> None:
-        self.hooks, self.device, self.on_oom = hooks, device, on_oom
+    def __init__(self, api: ImageAPI, device: torch.device, on_oom: Callable[[], None] = lambda: None) -> None:
+        self.api, self.device, self.on_oom = api, device, on_oom
         self.memory = MemoryPlan(bytes_per_element=1.0, budget_bytes=2**62)
         self.last_need_bytes = 0  # what the largest chunk of the last call needed at its peak
 
     def __call__(self, values: list[Any]) -> list[Any]:
         shapes = [Shape.of(value) for value in values]
-        chunks = plan_chunks(shapes, self.memory.element_budget, self.hooks.group_by_shape)
+        chunks = plan_chunks(shapes, self.memory.element_budget, self.api.group_by_shape)
         largest = max(sum(shapes[i].elements for i in chunk) for chunk in chunks)
         self.last_need_bytes = int(self.memory.bytes_per_element * largest)
         results: list[Any] = [None] * len(values)
@@ -148,7 +142,7 @@ class BatchRunner:
         """One chunk; on out-of-memory split it in halves, on any other error run each item alone, so only the item
         that fails gets its error."""
         try:
-            outputs = self.hooks.run(values)
+            outputs = self.call(values)
         except torch.OutOfMemoryError:
             self._out_of_memory()
             if len(values) == 1:
@@ -200,8 +194,13 @@ class BatchRunner:
         self.memory = MemoryPlan(max(peak, floor) / elements, budget)
         return self.memory
 
+    def call(self, values: list[Any]) -> list[Any]:
+        """The API's steps on one chunk, as they are: `batch` -> `predict` -> `unbatch`."""
+        api = self.api
+        return list(api.unbatch(api.predict(api.batch(values))))
+
     def _warm_up(self, value: Any) -> None:
-        outputs = self.hooks.run([value])
+        outputs = self.call([value])
         if len(outputs) != 1:
             raise ValueError(f"predict returned {len(outputs)} outputs for a batch of 1 (unbatch must give one each)")
 

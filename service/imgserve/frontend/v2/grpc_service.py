@@ -30,7 +30,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 
 from imgserve import metrics
-from imgserve.config import Settings
+from imgserve.config import ServerSettings
 from imgserve.errors import ApiError
 from imgserve.frontend import telemetry
 from imgserve.frontend.auth import Keys, presented_key
@@ -113,7 +113,7 @@ def _rpc(label: str) -> Callable[[Handler], Handler]:
 class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     """The core RPCs and ModelConfig (perf_analyzer -i grpc needs it); the rest answer UNIMPLEMENTED."""
 
-    def __init__(self, model: ServedModel, settings: Settings, keys: Keys) -> None:
+    def __init__(self, model: ServedModel, settings: ServerSettings, keys: Keys) -> None:
         self.model, self.settings, self.keys = model, settings, keys
 
     @_rpc(telemetry.GRPC_OTHER)
@@ -162,7 +162,7 @@ class Gate(grpc.aio.ServerInterceptor):
     one cannot hold the server's call slots; ModelInfer's message has no such bound. Every message is parsed by the
     handler, so one that is not the RPC's protobuf answers INVALID_ARGUMENT (gRPC's own parsing answers UNKNOWN)."""
 
-    def __init__(self, keys: Keys, settings: Settings) -> None:
+    def __init__(self, keys: Keys, settings: ServerSettings) -> None:
         self.keys, self.timeout = keys, settings.header_timeout_s
 
     async def intercept_service(
@@ -264,7 +264,7 @@ def _response(model: str, request_id: str, outputs: list[Tensor]) -> Any:
     return response
 
 
-def options(settings: Settings) -> list[tuple[str, int]]:
+def options(settings: ServerSettings) -> list[tuple[str, int]]:
     """The server's channel options: HTTP's limits for one front end, in gRPC's terms. `max_connections` bounds the
     connections (a new one past it is closed) and the streams of one connection (a client's calls past it wait in its
     own channel); `header_timeout_s` closes a connection that has not finished its handshake or has had no call for
@@ -281,7 +281,7 @@ def options(settings: Settings) -> list[tuple[str, int]]:
     ]
 
 
-async def start(servicer: Servicer, settings: Settings) -> grpc.aio.Server:
+async def start(servicer: Servicer, settings: ServerSettings) -> grpc.aio.Server:
     """Serve gRPC on --grpc-port on the running event loop, at most `max_connections` calls in progress at once
     (gRPC answers the next ones RESOURCE_EXHAUSTED at once, before any of our code)."""
     server = grpc.aio.server(

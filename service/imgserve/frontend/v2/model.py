@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from imgserve.api import ImageAPI, Request, TensorSpec, encoder
-from imgserve.config import Settings
+from imgserve.config import Batching, ServerSettings
 from imgserve.errors import ApiError
 from imgserve.frontend.inference import Inference, Steps
 from imgserve.frontend.responding import json_bytes
@@ -51,14 +51,15 @@ class ServedModel:
         self,
         api: ImageAPI,
         name: str,
-        settings: Settings,
+        batching: Batching,
+        settings: ServerSettings,
         state: SharedState,
         inference: Inference,
         not_ready_reason: Callable[[], str | None],
     ) -> None:
-        self.api, self.name, self.settings, self.state, self.inference = api, name, settings, state, inference
-        self.not_ready_reason = not_ready_reason
-        self.platform = platform(settings.model if api.model is None else api.model)
+        self.api, self.name, self.batching, self.settings = api, name, batching, settings
+        self.state, self.inference, self.not_ready_reason = state, inference, not_ready_reason
+        self.platform = platform(api.model or "")
         self._encode = encoder(api)
 
     def check(self, name: str, version: str | None = None) -> None:
@@ -86,7 +87,7 @@ class ServedModel:
 
     def config(self) -> dict[str, Any]:
         """The part of Triton's model configuration that clients (perf_analyzer, image_client) read."""
-        configured = self.settings.max_batch_size
+        configured = self.batching.max_batch_size
         batch = self.state.limits["max_batch_size"] or (configured if isinstance(configured, int) else 1)
         several = len(self.api.inputs) > 1  # then each input is optional: the API says which it needs
         return {
@@ -95,7 +96,7 @@ class ServedModel:
             "max_batch_size": int(batch),
             "input": [_config(spec, optional=several, image=True) for spec in self.api.inputs],
             "output": [_config(spec) for spec in self.api.outputs],
-            "dynamic_batching": {"max_queue_delay_microseconds": int(self.settings.batch_timeout_ms * 1000)},
+            "dynamic_batching": {"max_queue_delay_microseconds": int(self.batching.batch_timeout_ms * 1000)},
         }
 
     async def infer(
