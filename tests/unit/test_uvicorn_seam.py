@@ -15,9 +15,12 @@ from imgserve.frontend.connections import HTTPTOOLS, PINNED
 from imgserve.pins import Pinned, pinned_problems
 
 SEAM = Path(connections.__file__)
-# Pinned names that are also ordinary attribute names elsewhere (Starlette's request.url and .headers, event loops,
-# loggers, ...): the scan below looks for the others, which only uvicorn's protocol has.
-ORDINARY = {"__init__", "loop", "logger", "parser", "connections", "transport", "url", "headers", "scope", "shutdown"}
+# Pinned names that other code has too (asyncio's protocols and transports, Starlette's request.url and .headers,
+# event loops, loggers): the scan below looks for the others, which only uvicorn's protocol has.
+ORDINARY = {
+    *("__init__", "connection_made", "connection_lost", "data_received", "pause_reading", "resume_reading"),
+    *("loop", "logger", "parser", "connections", "transport", "url", "headers", "scope", "shutdown"),
+}
 
 
 def test_the_installed_uvicorn_has_every_internal_the_connection_guard_uses() -> None:
