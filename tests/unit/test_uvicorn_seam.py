@@ -24,7 +24,8 @@ ORDINARY = {
 
 
 def test_the_installed_uvicorn_has_every_internal_the_connection_guard_uses() -> None:
-    assert pinned_problems(PINNED) == []
+    problems = pinned_problems(PINNED)
+    assert not problems, "uvicorn moved what frontend/connections.py uses:\n" + "\n".join(problems)
 
 
 def test_a_moved_internal_is_named_in_one_line() -> None:
