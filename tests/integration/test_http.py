@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import io
+import random
 import re
 import struct
 import zlib
+from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -176,8 +180,59 @@ def test_chunked_body_over_limit_is_413(server: Server) -> None:
     assert (response.status_code, error_code(response)) == (413, "body_too_large")
 
 
+PNG = {"Content-Type": "image/png"}
+UNCLOSED_MULTIPART = b'--XyZ\r\nContent-Disposition: form-data; name="file"; filename="a.png"\r\n\r\n'
+# Each kind of bad input the suite sends, varied by a random generator: (rng, a valid image) -> post()'s arguments.
+BAD_KINDS: dict[str, Callable[[random.Random, bytes], dict[str, Any]]] = {
+    "truncated": lambda rng, image: dict(content=image[: rng.randrange(len(image) // 2)], headers=PNG),
+    "corrupt": lambda rng, image: dict(content=rng.randbytes(rng.randint(1, 4096)), headers=PNG),
+    "empty": lambda rng, image: dict(content=b"", headers={"Content-Type": rng.choice(["image/png", "image/jpeg"])}),
+    "wrong type": lambda rng, image: dict(
+        content=image, headers={"Content-Type": rng.choice(["application/json", "text/plain", "application/xml"])}
+    ),
+    "unsupported image type": lambda rng, image: dict(
+        content=image_bytes(rng.randint(8, 64), rng.randint(8, 64), "ICO"), headers={"Content-Type": "image/x-icon"}
+    ),
+    "bomb": lambda rng, image: dict(
+        content=_png_header_only(rng.randint(20_000, 65_535), rng.randint(20_000, 65_535)), headers=PNG
+    ),
+    "unclosed multipart": lambda rng, image: dict(
+        content=UNCLOSED_MULTIPART + image[: rng.randrange(len(image))],
+        headers={"Content-Type": "multipart/form-data; boundary=XyZ"},
+    ),
+    "wrong multipart field": lambda rng, image: dict(
+        files={rng.choice(["image", "upload", "files"]): ("a.png", image, "image/png")}
+    ),
+    "bad format": lambda rng, image: dict(
+        content=image, headers=PNG, params={"format": rng.choice(["gif", "bmp", "jpeg2000", ""])}
+    ),
+    "unknown parameter": lambda rng, image: dict(
+        content=image, headers=PNG, params={rng.choice(["size", "scale", "model"]): "3"}
+    ),
+    "bad timeout": lambda rng, image: dict(
+        content=image, headers={**PNG, "X-Request-Timeout": rng.choice(["soon", "-1", "nan"])}
+    ),
+}
+
+
 def test_no_bad_input_reached_a_500(server: Server) -> None:
-    assert server.metric("imgserve_requests_total", route="/predict", code="500") == 0
+    """A seeded spread of every kind of bad input gets only 4xx answers, each counted by the server under its code,
+    and the server has counted no 500 (from these or from any other test's requests before them)."""
+    rng = random.Random(38)
+    kinds = [kind for kind in BAD_KINDS for _ in range(2)]
+    rng.shuffle(kinds)
+
+    def counted(code: str) -> float:
+        return server.metric("imgserve_requests_total", route="/predict", code=code)
+
+    before = {code: counted(code) for code in ("400", "413", "415", "422")}
+    answers: Counter[str] = Counter()
+    for kind in kinds:
+        image = image_bytes(rng.randint(8, 96), rng.randint(8, 96), rng.choice(["PNG", "JPEG"]), rng.randrange(99))
+        answers[str(post(server, **BAD_KINDS[kind](rng, image)).status_code)] += 1
+    assert set(answers) <= set(before), f"answers other than {sorted(before)}: {answers}"
+    assert {code: counted(code) - before[code] for code in answers} == answers
+    assert counted("500") == 0
 
 
 def test_health_info_and_metrics(server: Server) -> None:

@@ -147,8 +147,9 @@ def test_a_pydantic_request_and_http_exceptions_in_hooks(tmp_path: Path) -> None
 
 
 def test_the_api_knows_its_device(tmp_path: Path) -> None:
+    """Both servers set up the API on the CPU and its hook says so (the same error from both would not)."""
     with side_by_side("parity_apis:DeviceLitAPI", tmp_path) as urls:
-        same_answers(urls, [{"json": {}}])
+        assert same_answers(urls, [{"json": {}}]) == [(200, JSON_TYPE, {"device": "cpu"})]
 
 
 def test_a_plain_litapi_is_ready_with_grpc_on(tmp_path: Path) -> None:

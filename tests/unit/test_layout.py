@@ -1,5 +1,6 @@
-"""The package's shape: every folder a regular package that says which process runs it; imports run one way (front
-end -> hand-off <- worker); no cycle between modules or between rooms (top-level modules and subpackages); nothing
+"""The package's shape: every folder a regular package that says which process runs it; every room (top-level module
+or subpackage) placed as a process role or a listed top-level module; imports run one way (front end -> hand-off <-
+worker; only the shared top-level modules are imported by all); no cycle between modules or between rooms; nothing
 imports the composition root but the command that runs it; no cycles in loadtests/; nothing installed as `service`."""
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from pathlib import Path
 from serving import REPO, SOURCE
 
 PACKAGE = SOURCE / "imgserve"
-# Each process role and what it may import from the package (besides itself and the shared top-level modules).
+# Each process role (a subpackage) and the other roles it may import; any module may import the shared modules.
 ROLES = {
     "frontend": {"handoff", "models"},
     "worker": {"handoff", "models"},
@@ -20,16 +21,28 @@ ROLES = {
     "models": set(),
     "tools": {"models"},
 }
-SHARED = {
-    "imgserve",
-    "imgserve.config",
-    "imgserve.errors",
-    "imgserve.heap",
-    "imgserve.metrics",
-    "imgserve.pod",
-    "imgserve.engine",
+# Every top-level module and what of the package it may import besides the shared modules: roles by name, top-level
+# modules in full. The shared ones (every process imports them) may import nothing else. A top-level module or a
+# subpackage that is in neither ROLES nor here, or one here that is gone, fails test_every_room_is_placed.
+TOP_LEVEL: dict[str, set[str]] = {
+    "imgserve.api": set(),
+    "imgserve.codec": set(),
+    "imgserve.config": set(),
+    "imgserve.engine": set(),
+    "imgserve.errors": set(),
+    "imgserve.heap": set(),
+    "imgserve.metrics": set(),
+    "imgserve.pins": set(),
+    "imgserve.pod": set(),
+    "imgserve.version": set(),
+    "imgserve": {"imgserve.cli"},  # the public names, `serve` among them (imported on first use)
+    "imgserve.startup": {"models", "worker"},  # the main process, before the composition root builds the server
+    "imgserve.testing": {"worker"},  # a user's hooks run in the test's own process
+    "imgserve.server": {"frontend", "handoff", "models", "supervisor", "worker", "imgserve.startup"},  # builds all
+    "imgserve.cli": {"handoff", "tools", "imgserve.server"},  # the command: the only importer of the composition root
+    "imgserve.__main__": {"imgserve.cli"},
 }
-ENTRY_POINTS = {"imgserve.cli", "imgserve.__main__"}  # the command may start the server; nothing else imports it
+SHARED = {module for module, others in TOP_LEVEL.items() if not others}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -99,9 +112,33 @@ def room_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
     return rooms
 
 
-def role(module: str) -> str | None:
-    parts = module.split(".")
-    return parts[1] if len(parts) > 2 and parts[1] in ROLES else None
+def place(module: str) -> str:
+    """Where a module sits for the one-way rule: its process role (`imgserve.frontend.v2.http` -> `frontend`), or the
+    top-level module or unlisted subpackage it is (its room)."""
+    name = room(module).partition(".")[2]
+    return name if name in ROLES else room(module)
+
+
+def unplaced(graph: dict[str, set[str]]) -> list[str]:
+    """The rooms of `graph` that are neither a role nor a listed top-level module, and the listed ones it lacks."""
+    rooms = {room(module) for module in graph}
+    listed = {f"imgserve.{name}" for name in ROLES} | set(TOP_LEVEL)
+    return [f"{name} is not placed" for name in sorted(rooms - listed)] + [
+        f"{name} is placed but gone" for name in sorted(listed - rooms)
+    ]
+
+
+def wrong_way(graph: dict[str, set[str]]) -> list[str]:
+    """Each import from another place that its module's place may not make (see ROLES and TOP_LEVEL)."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        here = place(module)
+        allowed = SHARED | ROLES.get(here, TOP_LEVEL.get(here, set()))
+        for target in sorted(targets):
+            there = place(target)
+            if there != here and there not in allowed:
+                found.append(f"{module} ({here}) imports {target} ({there})")
+    return found
 
 
 def test_the_package_has_no_import_cycles() -> None:
@@ -125,21 +162,32 @@ def test_every_folder_is_a_regular_package_that_says_who_runs_it() -> None:
     assert files <= seen, f"pkgutil does not see {sorted(files - seen)}"
 
 
+def test_every_room_is_placed() -> None:
+    assert unplaced(import_graph(SOURCE, "imgserve")) == []
+
+
 def test_imports_run_one_way() -> None:
-    wrong = []
-    for module, targets in import_graph(SOURCE, "imgserve").items():
-        for target in targets:
-            if target == "imgserve.server" and module not in ENTRY_POINTS:
-                wrong.append(f"{module} imports the composition root")
-            here, there = role(module), role(target)
-            if there is None or there == here:
-                continue
-            if here is None and module not in ENTRY_POINTS | {"imgserve.server"}:
-                if module in SHARED and there != "handoff":
-                    wrong.append(f"shared {module} imports {target}")
-            elif here is not None and there not in ROLES[here]:
-                wrong.append(f"{module} ({here}) imports {target} ({there})")
-    assert wrong == []
+    assert wrong_way(import_graph(SOURCE, "imgserve")) == []
+
+
+def test_the_rules_see_a_planted_violation() -> None:
+    """Planted into the package's own graph, each breach is named: a worker importing the front end, a shared module
+    importing the hand-off, a role importing a module that is not shared, a front end importing the composition root,
+    and a new top-level module nobody placed."""
+    graph = import_graph(SOURCE, "imgserve")
+    graph["imgserve.worker.api"].add("imgserve.frontend.routes")
+    graph["imgserve.metrics"].add("imgserve.handoff.slots")
+    graph["imgserve.frontend.routes"] |= {"imgserve.startup", "imgserve.server"}
+    graph["imgserve.newcomer"] = set()
+    assert wrong_way(graph) == [
+        "imgserve.frontend.routes (frontend) imports imgserve.server (imgserve.server)",
+        "imgserve.frontend.routes (frontend) imports imgserve.startup (imgserve.startup)",
+        "imgserve.metrics (imgserve.metrics) imports imgserve.handoff.slots (handoff)",
+        "imgserve.worker.api (worker) imports imgserve.frontend.routes (frontend)",
+    ]
+    assert unplaced(graph) == ["imgserve.newcomer is not placed"]
+    del graph["imgserve.pins"]
+    assert unplaced(graph) == ["imgserve.newcomer is not placed", "imgserve.pins is placed but gone"]
 
 
 def test_the_checker_sees_a_wrong_way_import(tmp_path: Path) -> None:
@@ -154,6 +202,10 @@ def test_the_checker_sees_a_wrong_way_import(tmp_path: Path) -> None:
     graph = import_graph(tmp_path, "imgserve")
     assert graph["imgserve.worker.api"] == {"imgserve.frontend.routes"}
     assert cycles(graph) == [["imgserve.frontend.routes", "imgserve.worker.api", "imgserve.frontend.routes"]]
+    assert wrong_way(graph) == [
+        "imgserve.frontend.routes (frontend) imports imgserve.worker.api (worker)",
+        "imgserve.worker.api (worker) imports imgserve.frontend.routes (frontend)",
+    ]
 
 
 def test_the_checker_sees_a_cycle_through_a_package_init(tmp_path: Path) -> None:

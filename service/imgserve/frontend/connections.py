@@ -14,7 +14,10 @@ storm of clients that resend at once costs the pod one answer per client per few
 clients can send (and the clients' own CPU, where they share the machine), and its clients come back spread out
 instead of all together every Retry-After. A client that waits as it is told is never held.
 
-Built on uvicorn's HttpToolsProtocol internals: pyproject.toml pins the uvicorn versions it was tested with.
+The one module built on uvicorn's internals (its HttpToolsProtocol, request cycle and flow control): `PINNED` names
+each one used here with what it was written against; tests/unit/test_uvicorn_seam.py checks the installed uvicorn
+against it, and that no other module reaches past uvicorn's public names. What names cannot show (which callback
+fires when; the request cycle writes through `protocol.transport`) the connection tests hold (integration/test_hostile).
 """
 
 from __future__ import annotations
@@ -34,11 +37,52 @@ from imgserve.config import ServerSettings
 from imgserve.errors import ApiError
 from imgserve.frontend import telemetry
 from imgserve.frontend.admission import SHED_MESSAGES, Admission
+from imgserve.pins import Pinned
 
 HOLD_JITTER = 1.0  # a held 503 waits up to this share of Retry-After more than Retry-After itself
 MAX_HOLD_DOUBLINGS = 2  # a client back early again and again waits 1, 2, then 4x Retry-After (plus the jitter)
 LINGER_S = 2.0  # how long a refused client's late bytes are read and dropped before the socket closes
 _IDLE, _HEADERS, _BODY = 0, 1, 2
+
+HTTPTOOLS, FLOW_CONTROL = "uvicorn.protocols.http.httptools_impl", "uvicorn.protocols.http.flow_control"
+PINNED = (
+    # HttpToolsProtocol's methods overridden or called here.
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.__init__", ("self", "config", "server_state", "app_state", "_loop")),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.connection_made", ("self", "transport")),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.connection_lost", ("self", "exc")),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.shutdown", ("self",)),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.data_received", ("self", "data")),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.send_400_response", ("self", "msg")),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.on_message_begin", ("self",)),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.on_url", ("self", "url")),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.on_header", ("self", "name", "value")),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.on_headers_complete", ("self",)),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.on_body", ("self", "body")),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.on_message_complete", ("self",)),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.on_response_complete", ("self",)),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol._unset_keepalive_if_required", ("self",)),
+    # Its attributes read or written here, each where uvicorn assigns it.
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.loop", assigned_in="__init__"),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.logger", assigned_in="__init__"),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.parser", assigned_in="__init__"),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.connections", assigned_in="__init__"),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.transport", assigned_in="connection_made"),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.flow", assigned_in="connection_made"),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.url", assigned_in="on_message_begin"),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.headers", assigned_in="on_message_begin"),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.scope", assigned_in="on_message_begin"),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.expect_100_continue", assigned_in="on_header"),
+    Pinned(HTTPTOOLS, "HttpToolsProtocol.cycle", assigned_in="on_headers_complete"),
+    # The request cycle's state and the flow control, read or written here.
+    Pinned(HTTPTOOLS, "RequestResponseCycle.keep_alive", assigned_in="__init__"),
+    Pinned(HTTPTOOLS, "RequestResponseCycle.response_started", assigned_in="__init__"),
+    Pinned(HTTPTOOLS, "RequestResponseCycle.response_complete", assigned_in="__init__"),
+    Pinned(HTTPTOOLS, "RequestResponseCycle.disconnected", assigned_in="__init__"),
+    Pinned(HTTPTOOLS, "RequestResponseCycle.message_event", assigned_in="__init__"),
+    Pinned(FLOW_CONTROL, "FlowControl.read_paused", assigned_in="__init__"),
+    Pinned(FLOW_CONTROL, "FlowControl.pause_reading", ("self",)),
+    Pinned(FLOW_CONTROL, "FlowControl.resume_reading", ("self",)),
+)
 
 
 def raw_response(error: ApiError, close: bool = True, v2: bool = False) -> bytes:
