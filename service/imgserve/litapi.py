@@ -52,7 +52,7 @@ class LitServeAPI(ImageAPI):
         self.lit = api
         self.request_type = request_model(api)
         self.batched = max_batch_size > 1
-        self.hooks = {name: _with_context(getattr(api, name)) for name in STEPS}
+        self.hooks: dict[str, Callable[..., Any]] = {}  # made in the worker (lambdas do not travel there)
 
     def describe(self) -> str:
         return f"{type(self.lit).__module__}.{type(self.lit).__qualname__}"
@@ -84,6 +84,7 @@ class LitServeAPI(ImageAPI):
 
     # In the inference workers.
     def setup(self, device: str) -> None:
+        self.hooks = {name: _with_context(getattr(self.lit, name)) for name in STEPS}
         self.lit.pre_setup()
         self.lit.setup(device)
         self.lit.device = device  # as LitServe sets it after setup

@@ -11,6 +11,7 @@ import gc
 import logging
 import multiprocessing as mp
 import os
+import pickle
 import socket
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -68,7 +69,7 @@ def serve(settings: Settings, directory: ServerDirectory, api: ls.LitAPI | None 
         serves_grpc = settings.grpc_port and not (user_api is not None and not isinstance(user_api, ImageAPI))
         if serves_grpc and not port_free(settings.host, settings.grpc_port):
             raise StartupError(
-                f"--grpc-port {settings.grpc_port} is already in use on {settings.host} (0 turns it off)"
+                f"--grpc-port {settings.grpc_port} is already in use on {settings.host} (0 turns gRPC off)"
             )
         listening = listen(settings.host, settings.port)
     except (ModelLoadError, KeyProblem) as exc:
@@ -77,10 +78,10 @@ def serve(settings: Settings, directory: ServerDirectory, api: ls.LitAPI | None 
     with listening:
         try:
             pod = build(settings, directory, user_api)
+            return processes(pod, directory, keys).run(pod, listening)
         except ModelLoadError as exc:
             log.error("imgserve: %s", exc)
             return 2
-        return processes(pod, directory, keys).run(pod, listening)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -180,7 +181,10 @@ class Processes:
 
         def start_worker(index: int) -> BaseProcess:
             args = (self.worker, index, plan.devices[index // plan.workers_per_device])
-            return _started(mp.get_context("spawn").Process(target=worker_process.run, args=args))
+            try:
+                return _started(mp.get_context("spawn").Process(target=worker_process.run, args=args))
+            except (AttributeError, TypeError, pickle.PicklingError) as exc:  # what spawn cannot send to a worker
+                raise StartupError(f"cannot start an inference worker with the API: {type(exc).__name__}: {exc}")
 
         children = Children(start_worker, start_front_end, plan.workers, plan.front_ends)
         return Lifecycle(children, pod.state, settings.drain_timeout_s).run()

@@ -88,11 +88,6 @@ class Server(RunningServer):
         """HTTP front ends by index, each found by the answer socket it binds once it is up (handoff/answers.py)."""
         return {int(path.rpartition("-")[2]): pid for pid, path in self._unix_sockets() if "/answers-" in path}
 
-    def queue_pid(self) -> int:
-        """LitServe's queue process (its multiprocessing Manager): the child listening on a `listener-` socket."""
-        (pid,) = {pid for pid, path in self._unix_sockets() if "/listener-" in path and pid != self.process.pid}
-        return pid
-
     def zombies(self) -> list[int]:
         """Processes below the server that died and were never reaped."""
         return [process.pid for process in self.tree()[1:] if _status(process) == psutil.STATUS_ZOMBIE]
@@ -122,7 +117,8 @@ def start_server(settings: dict[str, object], log_dir: Path) -> Server:
     """Launch `imgserve serve` with IMGSERVE_* settings (gRPC only when `grpc_port` is given), importing this
     checkout's imgserve and the tests' own modules (toy models, example APIs); returns once the process is started
     (not ready)."""
-    port, settings = free_port(), dict(settings)
+    settings = dict(settings)
+    port = int(settings.pop("port", 0)) or free_port()  # a given port: a server in place of one that was there
     grpc_port = int(settings.pop("grpc_port", 0))
     env = settings_environment(settings)
     env["PYTHONPATH"] = os.pathsep.join([str(SUPPORT), str(SOURCE), str(REPO), env.get("PYTHONPATH", "")])

@@ -47,11 +47,12 @@ class Children:
         self.workers: list[BaseProcess] = []
         self.front_ends: dict[int, BaseProcess] = {}
 
-    def start(self) -> None:
-        """The workers first (they load the model while the front ends start and answer not-ready)."""
-        workers, front_ends = self.counts
-        self.workers = [self.start_worker(index) for index in range(workers)]
-        self.front_ends = {index: self.start_front_end(index) for index in range(front_ends)}
+    def start_workers(self) -> None:
+        self.workers = [self.start_worker(index) for index in range(self.counts[0])]
+
+    def start_front_ends(self) -> None:
+        """Once the workers are ready: the port, bound since the start, is then served."""
+        self.front_ends = {index: self.start_front_end(index) for index in range(self.counts[1])}
 
     def stop(self, grace_s: float) -> None:
         """Stop the front ends (uvicorn's graceful stop, at most `grace_s` each), then the workers, and reap all."""

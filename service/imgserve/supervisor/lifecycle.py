@@ -1,4 +1,5 @@
-"""The main process's loop: start the children, watch them, drain on SIGTERM or Ctrl-C, then stop them.
+"""The main process's loop: start the workers, then (once they are ready) the front ends, watch them all, drain on
+SIGTERM or Ctrl-C, then stop them.
 
 Everything happens on the main thread: the signal handlers only set flags, and the loop acts on them every POLL_S. A
 terminal's Ctrl-C reaches every process of the server; the children leave it to the main process, which drains as
@@ -39,13 +40,14 @@ class Lifecycle:
         self.children, self.state, self.drain_timeout_s = children, state, drain_timeout_s
         self.supervisor = Supervisor(children, state)
         self.requested = _Requested()
+        self.ending: Ending | None = None
 
     def run(self) -> int:
         """0 after a clean drain, 1 when children kept dying, 2 when what the user named cannot be served."""
         signal.signal(signal.SIGTERM, self._on_sigterm)
         # This also takes SIGINT back where a shell started the server as a background job, with SIGINT ignored.
         signal.signal(signal.SIGINT, self._on_sigint)
-        self.children.start()
+        self.children.start_workers()
         drain_until = self._watch()
         while self.state.queue_depth > 0 and time.monotonic() < drain_until and not self.requested.stop_now:
             time.sleep(POLL_S)
@@ -53,11 +55,16 @@ class Lifecycle:
         if in_flight:
             log.warning("stopping now, with %d requests in flight", in_flight)
         self.children.stop(FORCED_STOP_S if in_flight else STOP_S)
+        if self.ending is not None:  # the server's last line says why it ended
+            log.error("imgserve: %s", self.ending.reason)
         return self.state.exit_code
 
     def _watch(self) -> float:
-        """Supervise until a drain is asked for or the supervisor ends the server; when the drain must end."""
+        """Supervise until a drain is asked for or the supervisor ends the server; when the drain must end. The front
+        ends start once every worker is ready (a model that cannot be served ends the server before any)."""
         while True:
+            if not self.children.front_ends and self.state.workers_ready:
+                self.children.start_front_ends()
             if self.requested.drain:
                 self.state.start_draining()
                 log.info("draining %d in-flight requests", self.state.queue_depth)
@@ -68,7 +75,7 @@ class Lifecycle:
             time.sleep(POLL_S)
 
     def _end(self, ending: Ending) -> float:
-        log.error("imgserve: %s", ending.reason)
+        self.ending = ending
         self.state.start_draining(exit_code=ending.exit_code)
         return time.monotonic() + FATAL_DRAIN_S
 
