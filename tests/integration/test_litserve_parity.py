@@ -21,7 +21,17 @@ from typing import Any
 import httpx
 import numpy as np
 from PIL import Image
-from serving import REPO, SUPPORT, image_bytes, running_server, start_server, stop_server, wait_ready, wait_until
+from serving import (
+    REPO,
+    SOURCE,
+    SUPPORT,
+    image_bytes,
+    running_server,
+    start_server,
+    stop_server,
+    wait_ready,
+    wait_until,
+)
 
 from imgserve.testing import free_port, start, stop
 from imgserve.testing import wait_ready as wait_for
@@ -40,19 +50,20 @@ JSON_TYPE = "application/json"
 
 
 @contextlib.contextmanager
-def side_by_side(spec: str, log_dir: Path) -> Iterator[tuple[str, str]]:
-    """LitServe and imgserve, each serving the API `spec` (module:Class or module:instance): their URLs."""
+def side_by_side(spec: str, log_dir: Path, ours: str | None = None, **settings: Any) -> Iterator[tuple[str, str]]:
+    """LitServe serving the API `spec` (module:Class or module:instance) and imgserve serving `ours` (the same API
+    unless given) with `settings`: their URLs."""
     port = free_port()
     env = {key: value for key, value in os.environ.items() if not key.startswith("IMGSERVE_")}
     env["PYTHONPATH"] = os.pathsep.join([str(SUPPORT), str(REPO), env.get("PYTHONPATH", "")])
     with contextlib.ExitStack() as stack:
         theirs = start([sys.executable, "-c", LITSERVE, spec, str(port)], port, log_dir / f"litserve-{port}.log", env)
         stack.callback(stop, theirs)
-        ours = start_server({"api": spec, "api_servers": 1, "workers_per_device": 1}, log_dir)
-        stack.callback(stop_server, ours)
+        served = start_server({"api": ours or spec, "api_servers": 1, "workers_per_device": 1, **settings}, log_dir)
+        stack.callback(stop_server, served)
         wait_for(theirs, 120, ready_path="/health")
-        wait_ready(ours, 120)
-        yield theirs.url, ours.url
+        wait_ready(served, 120)
+        yield theirs.url, served.url
 
 
 def answer(url: str, **request: Any) -> tuple[int, str, Any]:
@@ -94,6 +105,70 @@ def test_litserves_batched_example_under_concurrent_requests(tmp_path: Path) -> 
         for url in urls:
             answers = list(pool.map(lambda request, url=url: answer(url, **request), requests))
             assert answers == [(200, JSON_TYPE, {"output": float(value) ** 2}) for value in range(16)], url
+
+
+EMBEDDINGS = [{"json": {"input": [float(i), 1.0, 0.0, -1.0]}} for i in range(16)]
+
+
+def concurrent_answers(url: str, requests: list[dict[str, Any]]) -> list[tuple[int, str, Any]]:
+    with ThreadPoolExecutor(len(requests)) as pool:
+        return list(pool.map(lambda request: answer(url, **request), requests))
+
+
+def test_the_batch_size_flags_batch_a_plain_litapi_as_litserve_does_with_it_in_the_constructor(tmp_path: Path) -> None:
+    """`--max-batch-size 4 --batch-timeout-ms 10` on a LitAPI whose `batch` stacks and whose `predict` takes only
+    the stacked batch: imgserve calls batch -> predict -> unbatch, as LitServe does for the same API constructed with
+    max_batch_size=4 (a 500 for every request when predict got single items)."""
+    batching = {"max_batch_size": 4, "batch_timeout_ms": 10}
+    with side_by_side("parity_apis:batched_embedding", tmp_path, "parity_apis:StackedEmbedding", **batching) as urls:
+        theirs, ours = (concurrent_answers(url, EMBEDDINGS) for url in urls)
+    assert ours == theirs == [(200, JSON_TYPE, {"embedding": 1.0 * i + 2.0 - 4.0}) for i in range(16)]
+
+
+def test_imgserve_serve_batches_a_plain_litapi_constructed_with_its_batch_size(tmp_path: Path) -> None:
+    """In Python, `imgserve.serve(StackedEmbedding(max_batch_size=4, batch_timeout=0.01))`: every request answered,
+    in batches of more than one."""
+    port = free_port()
+    script = (
+        "import imgserve, parity_apis; "
+        f"imgserve.serve(parity_apis.StackedEmbedding(max_batch_size=4, batch_timeout=0.01), host='127.0.0.1', "
+        f"port={port}, grpc_port=0, api_servers=1, workers_per_device=1)"
+    )
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("IMGSERVE_", "PROMETHEUS"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(SUPPORT), str(SOURCE), str(REPO)])
+    server = start([sys.executable, "-c", script], port, tmp_path / "serve.log", env)
+    try:
+        wait_for(server, 120)
+        answers = concurrent_answers(server.url, EMBEDDINGS)
+        batches = httpx.get(f"{server.url}/metrics").text
+    finally:
+        stop(server)
+    assert answers == [(200, JSON_TYPE, {"embedding": 1.0 * i + 2.0 - 4.0}) for i in range(16)]
+    count = next(
+        float(line.split()[1]) for line in batches.splitlines() if line.startswith("imgserve_batch_size_count")
+    )
+    assert count < 16, "the requests were batched"
+
+
+def test_a_plain_litapis_form_is_read_with_the_limits_of_every_route(tmp_path: Path) -> None:
+    """A LitAPI that reads request["file"]: a form of 100 files and a multipart body that is never closed are 400s
+    from the reading every route shares (LitServe itself reads 1,000 files and answers the unclosed body 500)."""
+    upload = image_bytes(32, 24, "JPEG")
+    files = [("file", (f"photo{i}.jpg", upload, "image/jpeg")) for i in range(100)]
+    boundary = "b0undary"
+    unclosed = f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.jpg"\r\n\r\n'.encode()
+    with running_server(tmp_path, api="examples.litserve_api:GrayscaleLitAPI") as server:
+        many = httpx.post(f"{server.url}/predict", files=files, timeout=30)
+        cut = httpx.post(
+            f"{server.url}/predict",
+            content=unclosed + upload,
+            headers={"content-type": f"multipart/form-data; boundary={boundary}"},
+            timeout=30,
+        )
+        assert (many.status_code, cut.status_code) == (400, 400), (many.text, cut.text)
+        assert "Too many files" in many.json()["detail"] and "not closed" in cut.json()["detail"]
+        assert httpx.post(f"{server.url}/predict", files={"file": ("a.jpg", upload)}).status_code == 200
+        assert server.metric("imgserve_requests_total", route="/predict", code="500") == 0
 
 
 def test_litserves_torch_example(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Pixels through shared-memory slots: what crosses LitServe's queues is small, slots are freed on every path, and
+"""Pixels through shared-memory slots: what crosses the hand-off's sockets is small, slots are freed on every path, and
 /dev/shm and memory are back at their baseline after a flood, a kill -9 of a worker and a SIGTERM."""
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from litserve.utils import LitAPIStatus, LoopResponseType
 from serving import image_bytes, start_server, stop_server, wait_ready
 
 from imgserve.api import ImageAPI, Request
@@ -36,7 +35,7 @@ from imgserve.models.denoiser import build_denoiser
 from imgserve.models.shared import SharedWeights
 from imgserve.pod import TorchThreads
 from imgserve.testing import InProcess
-from imgserve.worker.api import WorkerAPI, WorkerPlan
+from imgserve.worker.serving import Worker, WorkerPlan
 from loadtests.lib.closed_loop import run_closed_loop
 from loadtests.lib.images import square_jpegs
 
@@ -96,27 +95,23 @@ def test_a_new_server_removes_the_directories_of_dead_servers_only(tmp_path: Pat
 def worker_plan(slot_dir: Path, batch_size: int, threads: TorchThreads = ONE_THREAD) -> WorkerPlan:
     """One worker alone on its device, loading its own copy of the model."""
     weights = SharedWeights(0, reason="a test worker")
-    return WorkerPlan(slot_dir, weights, batch_size, 0.0, False, threads, 1, 0)
+    return WorkerPlan(slot_dir, weights, batch_size, 0.0, False, threads, 1, 0, 0.8, False)
 
 
-def set_up(worker: WorkerAPI) -> WorkerAPI:
-    """`setup("cpu")` as a worker runs it; a worker leaves Ctrl-C to the main process: this test's process takes it
-    back."""
-    ctrl_c = signal.getsignal(signal.SIGINT)
-    try:
-        worker.setup("cpu")
-    finally:
-        signal.signal(signal.SIGINT, ctrl_c)
+def set_up(api: ImageAPI, state: SharedState, plan: WorkerPlan) -> Worker:
+    """A worker's API set up on the CPU, as a worker process does it."""
+    worker = Worker(api, state, plan, "cpu")
+    worker.setup()
     return worker
 
 
-def queued(files: SlotFiles, state: SharedState, slot: int, ticket: int, item: Any) -> dict[str, Any]:
+def queued(files: SlotFiles, state: SharedState, slot: int, ticket: int, item: Any) -> wire.RequestMessage:
     """What a front end sends for `item` (what decode_request returned) in `slot`: its arrays in the slot, the
     rest in the message, as the worker receives it."""
     state.set_owner(slot, ticket)
     placed = items.place(item, lambda array, offset: files.write(slot, array, offset), inline_bytes=1024)
     now = time.monotonic()
-    return {"slot": [slot, ticket], "deadline": now + 30, "admitted": now, "item": placed}
+    return wire.RequestMessage(0, f"uid-{ticket}", slot, ticket, now, now + 30, placed)
 
 
 @pytest.fixture
@@ -131,7 +126,7 @@ def test_the_worker_reads_pixels_from_the_slot_and_answers_with_a_few_bytes(
 ) -> None:
     settings = Settings(max_batch_size=4)
     state = SharedState(workers=1, request_slots=8)
-    worker = set_up(WorkerAPI(ModelAPI(settings, LocalKinds(), pad=False), settings, state, worker_plan(slot_dir, 4)))
+    worker = set_up(ModelAPI(settings, LocalKinds(), pad=False), state, worker_plan(slot_dir, 4))
     front_end = ModelAPI(settings, LocalKinds(), pad=False)  # the same API as a front end decodes with it
     images = [np.random.default_rng(i).integers(0, 256, (256, 320, 3), dtype=np.uint8) for i in range(3)]
     files = SlotFiles(slot_dir)
@@ -139,16 +134,16 @@ def test_the_worker_reads_pixels_from_the_slot_and_answers_with_a_few_bytes(
         queued(files, state, slot, 10 + slot, front_end.decode_request(Request.for_image(image)))
         for slot, image in enumerate(images)
     ]
-    assert all(isinstance(request["item"], InSlot) for request in requests), "the pixels are not in the slots"
-    answers = worker.predict(requests)
+    assert all(isinstance(request.item, InSlot) for request in requests), "the pixels are not in the slots"
+    answers = worker.answer(requests)
 
     reference = ModelAPI(settings, LocalKinds(), pad=False)
     reference.model_loader = lambda device: build_denoiser().eval().to(device)
     expected = InProcess(reference).setup().predict(images)
     for slot, (request, answer) in enumerate(zip(requests, answers, strict=True)):
         assert isinstance(answer, InSlot) and answer.shape == images[slot].shape
-        packed_answer = wire.pack_answer(("uid", (answer, LitAPIStatus.OK, LoopResponseType.REGULAR, 0)))
-        assert len(wire.pack_request((0, "uid", 1.0, request))) < SMALL_MESSAGE and len(packed_answer) < SMALL_MESSAGE
+        packed_answer = wire.pack_answer("uid", answer)
+        assert len(wire.pack_request(request)) < SMALL_MESSAGE and len(packed_answer) < SMALL_MESSAGE
         output = items.resolve(answer, lambda offset, shape, dtype, slot=slot: files.read(slot, shape, dtype, offset))
         assert np.abs(output.astype(int) - expected[slot].astype(int)).max() <= 1
     files.close()
@@ -160,12 +155,12 @@ def test_a_cpu_worker_runs_a_lone_batch_on_all_its_threads_and_its_share_while_o
     settings = Settings(max_batch_size=1)
     state = SharedState(workers=2, request_slots=4)
     plan = worker_plan(slot_dir, 1, TorchThreads(2, 1))
-    worker = set_up(WorkerAPI(ModelAPI(settings, LocalKinds(), pad=False), settings, state, plan))
+    worker = set_up(ModelAPI(settings, LocalKinds(), pad=False), state, plan)
     request = queued(SlotFiles(slot_dir), state, 0, 1, np.zeros((16, 16, 3), dtype=np.uint8))
     used = []
     for admitted in (1, 3):  # this request alone; then two more in flight elsewhere in the pod
         assert state.try_admit(limit=8, count=admitted)
-        (answer,) = worker.predict([request])
+        (answer,) = worker.answer([request])
         assert not isinstance(answer, ApiError), answer
         used.append(torch.get_num_threads())
         state.release(admitted)
@@ -185,10 +180,9 @@ class GivenUpMidBatch(ImageAPI):
 
 
 def test_a_result_is_not_written_into_a_slot_that_moved_on(slot_dir: Path, restore_threads: None) -> None:
-    settings = Settings()
     state = SharedState(workers=1, request_slots=2)
     api = GivenUpMidBatch()
-    worker = set_up(WorkerAPI(api, settings, state, worker_plan(slot_dir, 1)))
+    worker = set_up(api, state, worker_plan(slot_dir, 1))
     files = SlotFiles(slot_dir)
     given_up = np.ones((200, 200, 3), dtype=np.uint8)  # over the answer message's inline size: it goes to the slot
     successor = np.full((200, 200, 3), 7, dtype=np.uint8)
@@ -198,7 +192,7 @@ def test_a_result_is_not_written_into_a_slot_that_moved_on(slot_dir: Path, resto
         queued(files, state, 0, 99, successor)
 
     api.meanwhile = front_end_moves_on
-    (answer,) = worker.predict([request])
+    (answer,) = worker.answer([request])
     assert isinstance(answer, ApiError) and (answer.status, answer.code) == (504, "deadline"), answer
     assert (files.read(0, successor.shape) == successor).all(), "the late result overwrote the next request's pixels"
     assert pixel_slots.bytes_in_use(slot_dir) <= successor.nbytes + 4096  # nothing written past them either
@@ -217,16 +211,15 @@ def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its
             item = slot.place(image)
             return slot.result(await slot.submit(item, time.monotonic() + timeout))
 
-    def work(message: tuple, taken: bool = False) -> None:
+    def work(message: wire.RequestMessage, taken: bool = False) -> None:
         """What a worker does: take the request, read its item from the slot, place its output there, send a
         small answer."""
-        _, uid, _, payload = message
-        index, ticket = payload["slot"]
-        assert taken or state.mark_taken(index, ticket, worker=0)
+        index = message.slot
+        assert taken or state.mark_taken(index, message.ticket, worker=0)
         files = SlotFiles(slot_dir)
-        pixels = items.resolve(payload["item"], lambda offset, shape, dtype: files.read(index, shape, dtype, offset))
+        pixels = items.resolve(message.item, lambda offset, shape, dtype: files.read(index, shape, dtype, offset))
         answer = items.place(255 - pixels, lambda array, offset: files.write(index, array, offset))
-        answers.send((uid, (answer, LitAPIStatus.OK, LoopResponseType.REGULAR, 0)), 0)
+        answers.send(0, message.uid, answer)
         files.close()
 
     async def scenario() -> None:
@@ -258,13 +251,15 @@ def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its
         resent = await asyncio.to_thread(requests.get, timeout=5)
         # Its replacement (the same worker index) takes the copy: the request is the new worker's, not lost with
         # the dead one, and its slot stays the request's until the answer.
-        assert state.mark_taken(*resent[3]["slot"], worker=0)
+        assert state.mark_taken(resent.slot, resent.ticket, worker=0)
         await asyncio.sleep(4 * WORKER_CHECK_S)
         assert not lost.done() and len(dispatcher._free) == 1, "failed with the dead worker"
-        state.worker_back(0)
+        state.worker_ready(0)
         await asyncio.to_thread(work, resent, True)
         assert (await lost == 255 - image).all()
-        assert not state.mark_taken(*resent[3]["slot"], worker=0), "a second copy of a taken request must be dropped"
+        assert not state.mark_taken(resent.slot, resent.ticket, worker=0), (
+            "a second copy of a taken request must be dropped"
+        )
 
         # Every slot held: the next request is shed, not queued without a slot.
         blockers = [asyncio.create_task(handler(timeout=30)) for _ in range(2)]

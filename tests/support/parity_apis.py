@@ -3,6 +3,7 @@ by both servers as `parity_apis:<name>`). The module has no `from __future__ imp
 the class that `decode_request` annotates its request with, as LitServe's users write it."""
 
 import litserve as ls
+import numpy as np
 from fastapi import HTTPException
 from litserve.test_examples.simple_example import SimpleBatchedAPI
 from pydantic import BaseModel, Field
@@ -50,3 +51,31 @@ class DeviceLitAPI(ls.LitAPI):
 
 
 batched = SimpleBatchedAPI(max_batch_size=4, batch_timeout=0.05)
+
+
+class StackedEmbedding(ls.LitAPI):
+    """An embedding whose `batch` stacks the inputs and whose `predict` takes only the stacked batch (a 2-d array):
+    served with max_batch_size > 1 it must be called as LitServe calls it, batch -> predict -> unbatch."""
+
+    def setup(self, device):
+        self.weights = np.arange(1.0, 5.0)
+
+    def decode_request(self, request):
+        return np.asarray(request["input"], dtype=float)
+
+    def batch(self, inputs):
+        return np.stack(inputs)
+
+    def predict(self, x):
+        if x.ndim != 2:
+            raise ValueError(f"predict takes the stacked batch, got an array of {x.ndim} dimension(s)")
+        return x @ self.weights
+
+    def unbatch(self, output):
+        return list(output)
+
+    def encode_response(self, output):
+        return {"embedding": float(output)}
+
+
+batched_embedding = StackedEmbedding(max_batch_size=4, batch_timeout=0.01)

@@ -50,8 +50,11 @@ class Admission:
         return None if reason is None else ApiError(503, reason, SHED_MESSAGES[reason], self.settings.retry_after_s)
 
     def admit(self, count: int = 1) -> None:
-        """Take `count` places in the pod's queue, all or none (release() gives them back), or raise 503 queue_full
-        (413 when even an empty queue could not hold them)."""
+        """Take `count` places in the pod's queue, all or none (release() gives them back), or raise 503 (draining,
+        queue_full; 413 when even an empty queue could not hold them)."""
+        refusal = self.refusal()
+        if refusal is not None:
+            raise refusal
         limit = self.limit()
         if count > limit:
             raise ApiError(413, "too_many_images", f"{count} images are more than this server's queue holds ({limit})")

@@ -71,10 +71,7 @@ class Inference:
         """Each item's encoded answer, in order; an ApiError for the first failure of any of them."""
         if not calls:
             raise ApiError(400, "no_images", "the request carries no item")
-        refusal = self.admission.refusal()  # draining, or a full queue
-        if refusal is not None:
-            raise refusal
-        self.admission.admit(len(calls))
+        self.admission.admit(len(calls))  # or 503: draining, or a full queue
         try:
             async with contextlib.AsyncExitStack() as stack:
                 slots = [await stack.enter_async_context(self.dispatcher.slot()) for _ in calls]
