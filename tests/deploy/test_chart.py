@@ -606,3 +606,18 @@ def test_the_api_value_serves_a_users_own_api_and_the_schema_checks_its_form() -
     assert "IMGSERVE_API" not in env_of(server_container("defaults"))
     refused = helm("template", RELEASE, str(CHART), *values_args("defaults"), "--set", "api=not a class", check=False)
     assert refused.returncode != 0 and "/api" in refused.stderr, refused.stderr
+
+
+def test_with_an_api_the_built_in_models_settings_are_refused_and_no_model_is_named() -> None:
+    """With `api` the Deployment names no built-in model (IMGSERVE_MODEL), and the built-in model's settings are
+    refused by the schema, as `imgserve serve --api ... --preprocess ...` refuses them."""
+    with_api = ["--set", "api=examples.fields:FieldsAPI"]
+    rendered = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *values_args("defaults"), *with_api)
+    (deployment,) = [doc for doc in yaml.safe_load_all(rendered.stdout) if doc and doc["kind"] == "Deployment"]
+    (container,) = [c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "server"]
+    assert "IMGSERVE_MODEL" not in env_of(container) and "IMGSERVE_PRECISION" not in env_of(container)
+    assert env_of(server_container("defaults"))["IMGSERVE_MODEL"] == "builtin:denoiser"
+    for setting in ("settings.precision=fp16", "settings.preprocess=imagenet"):
+        args = [*values_args("defaults"), *with_api, "--set", setting]
+        refused = helm("template", RELEASE, str(CHART), *args, check=False)
+        assert refused.returncode != 0 and "'/settings': 'not' failed" in refused.stderr, refused.stderr

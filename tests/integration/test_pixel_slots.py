@@ -270,7 +270,6 @@ def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its
         for _ in blockers:
             await asyncio.to_thread(work, await asyncio.to_thread(requests.get, timeout=5))
         await asyncio.gather(*blockers)
-        answers.close()  # the shutdown sentinel ends the reader thread
 
     asyncio.run(scenario())
 

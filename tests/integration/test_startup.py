@@ -90,6 +90,31 @@ def test_a_grpc_port_in_use_is_one_line_and_exit_2() -> None:
     assert result.returncode == 2 and last.endswith(expected) and "Traceback" not in result.stderr, result.stderr
 
 
+def test_the_built_in_models_settings_with_an_api_of_ones_own_are_one_line_and_exit_2() -> None:
+    """--preprocess, --precision and the like describe the built-in model: with --api they would be silently
+    ignored, so the start stops and names them (flags and IMGSERVE_ variables alike)."""
+    result = imgserve("--api", "user_apis:Tagged", "--preprocess", "imagenet", "--precision", "fp16")
+    expected = "imgserve: --preprocess, --precision: the built-in model's settings do not apply to an API of your own"
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].endswith(expected), result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_port_in_use_is_one_line_and_exit_2() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [sys.executable, "-m", "imgserve", "serve", "--host", "127.0.0.1", "--port", str(port)]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("IMGSERVE_")}
+        env["PYTHONPATH"] = str(SOURCE)
+        result = subprocess.run([*command, "--grpc-port", "0"], capture_output=True, text=True, timeout=120, env=env)
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and last.endswith(
+        f"imgserve: cannot listen on 127.0.0.1:{port}: Address already in use"
+    )
+    assert "Traceback" not in result.stderr
+
+
 def failed_start(settings: dict[str, object], log_dir: Path) -> list[str]:
     """Start a server that must fail in its workers; its log lines after it exited with 2."""
     server = start_server(settings, log_dir)

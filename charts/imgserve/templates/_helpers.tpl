@@ -108,7 +108,9 @@ YAML map from setting name (upper case) to its string value. */}}
 {{- if not (hasKey $env "DEVICE") }}
 {{- $_ := set $env "DEVICE" (ternary "cuda" "cpu" .Values.gpu.enabled) }}
 {{- end }}
+{{- if not .Values.api }}
 {{- $_ := set $env "MODEL" (include "imgserve.modelPath" .) }}
+{{- end }}
 {{- if .Values.modelName }}
 {{- $_ := set $env "MODEL_NAME" .Values.modelName }}
 {{- end }}
