@@ -105,3 +105,35 @@ class InferResponse(BaseModel):
     model_version: str
     id: str | None = None
     outputs: list[Tensor]
+
+
+class DurationStat(BaseModel):
+    count: int
+    ns: int = Field(description="Cumulative nanoseconds")
+
+
+class InferenceStats(BaseModel):
+    success: DurationStat
+    fail: DurationStat
+    queue: DurationStat
+    compute_input: DurationStat
+    compute_infer: DurationStat
+    compute_output: DurationStat
+    cache_hit: DurationStat
+    cache_miss: DurationStat
+
+
+class ModelStatistics(BaseModel):
+    name: str
+    version: str
+    last_inference: int = Field(description="Not measured: 0")
+    inference_count: int = Field(description="Images the model ran")
+    execution_count: int = Field(description="The model's batches")
+    inference_stats: InferenceStats
+    batch_stats: list[dict[str, Any]]
+
+
+class Statistics(BaseModel):
+    """The statistics extension's answer: what imgserve measured, per model (docs/v2-protocol.md#statistics)."""
+
+    model_stats: list[ModelStatistics]
