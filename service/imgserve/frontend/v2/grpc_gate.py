@@ -1,11 +1,12 @@
 """What a gRPC call must pass before its handler runs, and the channel's limits: HTTP's limits, in gRPC's terms.
 
-Inference (ModelInfer and each ModelStreamInfer stream) needs an API key, checked from the call's metadata before
-any message is read; `max_connections` bounds connections, calls in progress (more answer RESOURCE_EXHAUSTED at
-once) and the streams of one connection; `header_timeout_s` bounds a connection's handshake, its idle time, and the
-wait for the message of an open unary RPC; a message is at most `max_body_bytes`. Every message is parsed by imgserve,
-not by gRPC, so one that is not the RPC's protobuf answers INVALID_ARGUMENT (gRPC's own parsing answers UNKNOWN), and
-on a stream it is one request's error, not the stream's end.
+Inference (ModelInfer and each ModelStreamInfer stream) needs an API key, and ModelStatistics too with
+`protect_metrics` (as HTTP guards /metrics), checked from the call's metadata before any message is read;
+`max_connections` bounds connections, calls in progress (more answer RESOURCE_EXHAUSTED at once) and the streams of
+one connection; `header_timeout_s` bounds a connection's handshake, its idle time, and the wait for the message of
+an open unary RPC; a message is at most `max_body_bytes`. Every message is parsed by imgserve, not by gRPC, so one
+that is not the RPC's protobuf answers INVALID_ARGUMENT (gRPC's own parsing answers UNKNOWN), and on a stream it is
+one request's error, not the stream's end.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from imgserve.frontend.auth import Keys, presented_key
 from imgserve.frontend.v2 import tensors
 
 SERVICE = "/inference.GRPCInferenceService"
-GUARDED = frozenset({f"{SERVICE}/ModelInfer", f"{SERVICE}/ModelStreamInfer"})  # as over HTTP: inference needs a key
+INFERENCE = frozenset({f"{SERVICE}/ModelInfer", f"{SERVICE}/ModelStreamInfer"})  # as over HTTP: they need a key
+STATISTICS = f"{SERVICE}/ModelStatistics"
 # The largest message gRPC and protobuf carry. An answer is bounded before its compute, as over HTTP, by the request's
 # images (at most the pod's queue) x the pixel limit; a smaller send limit could only refuse an answer already made.
 MAX_MESSAGE = 2**31 - 1
@@ -41,6 +43,9 @@ class Gate(grpc.aio.ServerInterceptor):
 
     def __init__(self, keys: Keys, settings: Settings) -> None:
         self.keys, self.timeout = keys, settings.header_timeout_s
+        self.guarded = {method: telemetry.GRPC_INFER for method in INFERENCE}  # the label a refusal counts under
+        if settings.protect_metrics:
+            self.guarded[STATISTICS] = telemetry.GRPC_OTHER
 
     async def intercept_service(
         self,
@@ -50,29 +55,34 @@ class Gate(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return None
-        guarded = details.method in GUARDED
-        if guarded:
+        label = self.guarded.get(details.method)
+        if label is not None:
             metadata = [(key.encode(), _bytes(value)) for key, value in details.invocation_metadata or ()]
             if not self.keys.allow(presented_key(metadata)):
-                return _REFUSED
+                return _REFUSED[label]
         if handler.request_streaming and handler.response_streaming:
             return _parsed_each(handler)
-        if guarded:
+        if details.method in INFERENCE:
             return _read_within(handler, None, telemetry.GRPC_INFER)
         return _read_within(handler, self.timeout, telemetry.GRPC_OTHER)
 
 
-async def _unauthenticated(requests: Any, context: grpc.aio.ServicerContext) -> None:
-    """A guarded call without a valid key, whole: counted as a 401 and answered, its message never read."""
-    started = time.perf_counter()
-    try:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "send a valid API key: authorization: Bearer <key>")
-    finally:
-        metrics.count(telemetry.GRPC_INFER, 401, time.perf_counter() - started)
+def _unauthenticated(label: str) -> grpc.RpcMethodHandler:
+    """The handler of a guarded call without a valid key, whole: answered, counted as a 401 under `label`, its message
+    never read (a request-streaming handler: gRPC reads no message until the handler asks for one, and this one never
+    does)."""
+
+    async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
+        started = time.perf_counter()
+        try:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "send a valid API key: authorization: Bearer <key>")
+        finally:
+            metrics.count(label, 401, time.perf_counter() - started)
+
+    return grpc.stream_unary_rpc_method_handler(refuse)
 
 
-# A request-streaming handler: gRPC reads no message until the handler asks for one, and this one never does.
-_REFUSED = grpc.stream_unary_rpc_method_handler(_unauthenticated)
+_REFUSED = {label: _unauthenticated(label) for label in (telemetry.GRPC_INFER, telemetry.GRPC_OTHER)}
 
 
 def _read_within(handler: grpc.RpcMethodHandler, timeout: float | None, label: str) -> grpc.RpcMethodHandler:
