@@ -1,5 +1,7 @@
-"""Triton's perf_analyzer against imgserve over the Open Inference Protocol (HTTP v2 binary tensors and gRPC), next
-to imgserve's own closed-loop client on /predict (multipart) at the same concurrency, with the same real JPEGs.
+"""Triton's perf_analyzer against imgserve over the Open Inference Protocol (HTTP v2 binary tensors, gRPC and gRPC's
+stream), next to imgserve's own closed-loop client on /predict (multipart) at the same concurrency, with the same
+real JPEGs. imgserve serves the statistics extension, so each level also has the server's side: queue and compute
+times, as perf_analyzer reads them from the server.
 
 perf_analyzer (PyPI perf-analyzer) needs glibc >= 2.38, newer than these machines': it runs in a Debian trixie
 container built once with podman (mmdebstrap -> podman import -> podman build; see ../shared anchors containers.md)
@@ -32,6 +34,7 @@ PERF_ANALYZER = "2.60.0"
 IMAGE = f"localhost/imgserve-perf-analyzer:{PERF_ANALYZER}"
 MODEL = "denoiser"
 STABILITY_PERCENT = 60
+SERVER_COLUMNS = ("Server Queue", "Server Compute Input", "Server Compute Infer", "Server Compute Output")
 COMPARE_ROUNDS = 2  # the comparison alternates the clients this many times (the machine's load drifts)
 CONTAINERS_CONF = """[containers]
 default_ulimits = ["nofile=20000:20000", "nproc=32768:32768"]
@@ -57,6 +60,7 @@ class Point:
     p50_ms: float | None
     p99_ms: float | None
     errors: int
+    server_us: dict[str, int] | None = None  # the server's side (its statistics): queue, compute input/infer/output
 
 
 def podman(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
@@ -90,19 +94,22 @@ def write_input_data(path: Path, images: list[bytes]) -> None:
 
 
 def perf_analyzer(
-    work: Path, protocol: str, port: int, concurrency: str, interval_ms: int, name: str = ""
+    work: Path, protocol: str, port: int, concurrency: str, interval_ms: int, name: str = "", streaming: bool = False
 ) -> list[Point]:
-    """Run perf_analyzer over `protocol` (http or grpc) for `concurrency` (a:b[:step]); one Point per level.
+    """Run perf_analyzer over `protocol` (http or grpc; `streaming`: gRPC's stream) for `concurrency` (a:b[:step]);
+    one Point per level, with the server's side where its CSV has it. Its output is kept in `<csv>.log`.
 
     On a shared machine the throughput of successive windows can differ by half: a level is taken as stable once
     three windows agree within STABILITY_PERCENT (perf_analyzer's default 10% would never settle here). A level
     that does not settle ends perf_analyzer's sweep without an error code, so every level is checked to be there."""
-    csv_name = f"{protocol}-{concurrency.replace(':', '-')}{name}.csv"
+    client = f"{protocol} streaming" if streaming else protocol
+    csv_name = f"{client.replace(' ', '-')}-{concurrency.replace(':', '-')}{name}.csv"
     command = [
         "perf_analyzer", "-m", MODEL, "-i", protocol, "-u", f"{LOOPBACK}:{port}", "--input-data", "/work/images.json",
         "--concurrency-range", concurrency, "--measurement-interval", str(interval_ms), "--max-trials", "10",
         "--stability-percentage", str(STABILITY_PERCENT), "-f", f"/work/{csv_name}",
     ]  # fmt: skip
+    command += ["--streaming"] if streaming else []
     run = podman("run", "--rm", "--network", "host", "-v", f"{work}:/work", IMAGE, *command, timeout=3600)
     (work / f"{csv_name}.log").write_text(run.stdout + run.stderr)
     first, last, *step = (int(part) for part in concurrency.split(":"))
@@ -113,16 +120,17 @@ def perf_analyzer(
             rows = sorted(csv.DictReader(file), key=lambda row: int(row["Concurrency"]))
     if [int(row["Concurrency"]) for row in rows] != expected:
         raise RuntimeError(
-            f"perf_analyzer {protocol} did not measure every level of {concurrency}:\n{run.stdout[-2000:]}"
+            f"perf_analyzer {client} did not measure every level of {concurrency}:\n{run.stdout[-2000:]}"
         )
     return [
         Point(
-            f"perf_analyzer {protocol}",
+            f"perf_analyzer {client}",
             int(row["Concurrency"]),
             float(row["Inferences/Second"]),
             _latency_ms(row, "p50 latency"),
             _latency_ms(row, "p99 latency"),
             0,  # perf_analyzer stops with an error (check=True above) on any failed request
+            {column: int(row[column]) for column in SERVER_COLUMNS} if SERVER_COLUMNS[0] in row else None,
         )
         for row in rows
     ]
@@ -157,6 +165,7 @@ def measure(args: argparse.Namespace, work: Path) -> list[Point]:
     with running_server(serve_command(port, grpc_port), port, work / "server.log", "/health/ready", env):
         for protocol, target in (("http", port), ("grpc", grpc_port)):
             points += perf_analyzer(work, protocol, target, args.sweep, args.interval_ms)
+        points += perf_analyzer(work, "grpc", grpc_port, args.sweep, args.interval_ms, streaming=True)
         compare = f"{args.compare}:{args.compare}"
         for round_ in range(COMPARE_ROUNDS):
             points.append(closed_loop(port, args.compare, images, args.interval_ms / 1000 * 4))
@@ -199,8 +208,8 @@ def main() -> int:
     (work / "report.json").write_text(json.dumps(result, indent=2))
     for point in result["points"]:
         print(
-            f"{point['client']:>22} c={point['concurrency']:>3} {point['throughput']:8.1f}/s "
-            f"p50 {point['p50_ms']} ms p99 {point['p99_ms']} ms errors {point['errors']}"
+            f"{point['client']:>32} c={point['concurrency']:>3} {point['throughput']:8.1f}/s "
+            f"p50 {point['p50_ms']} ms p99 {point['p99_ms']} ms errors {point['errors']} server {point['server_us']}"
         )
     print(f"v2 binary / multipart at c={args.compare}: {result['v2_binary_over_multipart']:.2f}")
     print(f"gRPC / HTTP v2 at c={args.compare}: {result['grpc_over_http_v2']:.2f}")

@@ -52,12 +52,30 @@ class UploadedFile:
 class TensorSpec:
     """One input or output as the Open Inference Protocol's metadata shows it: a name, a datatype (BYTES, UINT8,
     FP32, ...) and the dimensions of one item, without the batch dimension (-1: any length). Items whose tensors
-    differ in shape are stacked into one tensor padded with `pad`; with `pad` None their shapes must match."""
+    differ in shape are stacked into one tensor padded with `pad`; with `pad` None their shapes must match.
+
+    `format` says an image input's layout, "NCHW" or "NHWC" (Triton's model configuration shows it; None: NHWC is
+    guessed from dims (H, W, 1|3)). `binary` says whether a BYTES tensor holds binary data, base64 in JSON, or text,
+    a JSON string as it is (UTF-8); None: binary for a tensor named `image` (the encoded image `Request.image()`
+    reads), text for any other."""
 
     name: str
     datatype: str
     dims: tuple[int, ...]
     pad: float | None = None
+    format: Literal["NCHW", "NHWC"] | None = None
+    binary: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.format not in (None, "NCHW", "NHWC"):
+            raise ValueError(f"TensorSpec {self.name!r}: format is 'NCHW' or 'NHWC', not {self.format!r}")
+        if self.format is not None and len(self.dims) != 3:
+            raise ValueError(f"TensorSpec {self.name!r}: an image format needs 3 dims (C, H, W or H, W, C)")
+
+    @property
+    def holds_binary(self) -> bool:
+        """BYTES elements that are binary data (base64 in JSON), not text."""
+        return self.binary if self.binary is not None else self.name == "image"
 
 
 @dataclass
@@ -162,7 +180,7 @@ class ImageAPI(ls.LitAPI):
 
     name: ClassVar[str | None] = None
     inputs: ClassVar[tuple[TensorSpec, ...]] = (TensorSpec("image", "BYTES", (1,)),)
-    outputs: ClassVar[tuple[TensorSpec, ...]] = (TensorSpec("output", "BYTES", (1,)),)
+    outputs: ClassVar[tuple[TensorSpec, ...]] = (TensorSpec("output", "BYTES", (1,), binary=True),)
     labels: ClassVar[Sequence[str]] = ()
     model: ClassVar[str | None] = None
     model_factory: ClassVar[str | None] = None

@@ -184,7 +184,8 @@ class Processes:
             try:
                 return _started(mp.get_context("spawn").Process(target=worker_process.run, args=args))
             except (AttributeError, TypeError, pickle.PicklingError) as exc:  # what spawn cannot send to a worker
-                raise StartupError(f"cannot start an inference worker with the API: {type(exc).__name__}: {exc}")
+                reason = f"cannot start an inference worker with the API: {type(exc).__name__}: {exc}"
+                raise StartupError(reason) from None
 
         children = Children(start_worker, start_front_end, plan.workers, plan.front_ends)
         return Lifecycle(children, pod.state, settings.drain_timeout_s).run()

@@ -11,7 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+import tritonclient.grpc as grpcclient
 from serving import Server, image_bytes, running_server, start_server, stop_server, wait_until
+from tritonclient.utils import InferenceServerException
+
+from imgserve.testing import free_port
 
 PNG = {"Content-Type": "image/png"}
 GOOD = image_bytes(16, 16)
@@ -83,12 +87,20 @@ def _swapped(server: Server, old: str, new: str) -> bool:
     return all(_predict_code(server, old) == 401 and _predict_code(server, new) == 200 for _ in range(12))
 
 
-def test_metrics_and_info_can_be_protected(tmp_path: Path) -> None:
-    with running_server(tmp_path, api_key="k", protect_metrics="true") as server:
-        for path in ("/metrics", "/info"):
+def test_metrics_info_and_statistics_can_be_protected(tmp_path: Path) -> None:
+    """--protect-metrics guards /metrics, /info and the v2 statistics over HTTP and gRPC (they tell the same traffic);
+    health and metadata stay open."""
+    with running_server(tmp_path, api_key="k", protect_metrics="true", grpc_port=free_port()) as server:
+        for path in ("/metrics", "/info", "/v2/models/stats", "/v2/models/denoiser/versions/1/stats"):
             assert httpx.get(f"{server.url}{path}").status_code == 401
             assert httpx.get(f"{server.url}{path}", headers={"Authorization": "Bearer k"}).status_code == 200
         assert httpx.get(f"{server.url}/health/ready").status_code == 200
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+        with pytest.raises(InferenceServerException, match="UNAUTHENTICATED"):
+            client.get_inference_statistics("denoiser")
+        statistics = client.get_inference_statistics("denoiser", headers={"authorization": "Bearer k"})
+        assert [entry.name for entry in statistics.model_stats] == ["denoiser"]
+        assert client.get_model_metadata("denoiser").name == "denoiser"
 
 
 def test_a_missing_key_file_stops_the_server_with_a_clear_error(tmp_path: Path) -> None:

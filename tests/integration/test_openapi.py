@@ -18,10 +18,10 @@ from openapi_spec_validator import validate
 from serving import Server, image_bytes, running_server, start_server, stop_server
 
 KEY = "docs-test-key"
-V2_ROUTES = ["/v2", "/v2/health/live", "/v2/health/ready"] + [
+V2_ROUTES = ["/v2", "/v2/health/live", "/v2/health/ready", "/v2/models/stats"] + [
     f"{base}{tail}"
     for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}")
-    for tail in ("", "/ready", "/config", "/infer")
+    for tail in ("", "/ready", "/config", "/stats", "/infer")
 ]
 HEALTH_ROUTES = ["/health/live", "/health/ready", "/health", "/info", "/metrics"]
 

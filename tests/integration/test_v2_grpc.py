@@ -1,14 +1,16 @@
 """The Open Inference Protocol over gRPC against a real server, with Triton's client (tritonclient.grpc), the raw
 generated stub and KServe's clients (REST and gRPC): health, metadata, ModelConfig, raw and typed tensors, status
-codes, API keys, metric labels."""
+codes, the stream, API keys, metric labels, the shared-memory RPCs."""
 
 from __future__ import annotations
 
 import io
 import json
+import queue
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import numpy as np
@@ -117,6 +119,41 @@ def test_bad_requests_get_status_codes(
     assert stub.ServerReady(service_pb2.ServerReadyRequest(), timeout=10).ready
 
 
+def test_a_stream_answers_each_message_and_a_bad_one_with_its_error(server: Server) -> None:
+    """ModelStreamInfer, raw: a message that is no protobuf and a request for an unknown model are each answered with
+    an error message (the request's id with it), between answers to good requests, on the one stream."""
+    png = image_bytes(12, 12)
+
+    def request(request_id: str, model: str = MODEL) -> bytes:
+        message = service_pb2.ModelInferRequest(model_name=model, id=request_id)
+        message.inputs.add(name="image", datatype="BYTES", shape=[1, 1])
+        message.raw_input_contents.append(len(png).to_bytes(4, "little") + png)
+        return message.SerializeToString()
+
+    messages = [request("first"), b"\x0a\xff", request("unknown", model="other"), request("last")]
+    with grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
+        stream = channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer",
+            response_deserializer=service_pb2.ModelStreamInferResponse.FromString,
+        )
+        answers = list(stream(iter(messages), timeout=30))
+    found = {answer.infer_response.id: answer for answer in answers}
+    assert len(answers) == 4 and set(found) == {"first", "", "unknown", "last"}
+    assert "not valid protobuf" in found[""].error_message
+    assert "unknown model" in found["unknown"].error_message
+    for good in ("first", "last"):
+        assert found[good].error_message == "" and found[good].infer_response.outputs[0].name == "output_image"
+
+
+def test_shared_memory_is_not_supported(client: triton.InferenceServerClient) -> None:
+    """reuse_infer_objects_client.py's first calls: the shared-memory RPCs answer UNIMPLEMENTED with why."""
+    for call in (client.get_system_shared_memory_status, client.unregister_cuda_shared_memory):
+        with pytest.raises(InferenceServerException, match="shared memory is not supported") as caught:
+            call()
+        assert caught.value.status() == "StatusCode.UNIMPLEMENTED"
+    assert client.is_server_ready()
+
+
 def test_tritonclient_shows_the_servers_message(client: triton.InferenceServerClient) -> None:
     with pytest.raises(InferenceServerException, match="not an image"):
         client.infer(MODEL, [images_input(b"hello world")])
@@ -148,6 +185,8 @@ def test_api_keys_model_name_and_two_front_ends(tmp_path) -> None:
             client.infer("restorer", [image], headers={"authorization": "Bearer wrong"})
         answer = client.infer("restorer", [image], headers={"authorization": "Bearer k1"})
         assert answer.as_numpy("output_image").shape == (1, 1)
+        for headers, expected in (({}, "StatusCode.UNAUTHENTICATED"), ({"authorization": "Bearer k1"}, None)):
+            assert streamed_error(client, "restorer", image, headers) == expected
         infer = f"{server.url}/v2/models/restorer/infer"
         refused = httpx.post(infer, json={"inputs": []})
         assert refused.status_code == 401 and list(refused.json()) == ["error"]
@@ -155,6 +194,18 @@ def test_api_keys_model_name_and_two_front_ends(tmp_path) -> None:
         assert httpx.post(infer, json={"inputs": []}, headers={"Authorization": "Bearer k1"}).status_code == 400
         assert httpx.get(f"{server.url}/v2/health/ready").status_code == 200
         assert httpx.get(f"{server.url}/v2/models/{MODEL}").status_code == 404
+
+
+def streamed_error(client: triton.InferenceServerClient, model: str, image: triton.InferInput, headers: dict) -> Any:
+    """One request on a stream started with `headers`: None when answered, else what its error says first."""
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(lambda result, error: answers.put(error), headers=headers)
+    try:
+        client.async_stream_infer(model, [image], request_id="s1")
+        error = answers.get(timeout=30)
+    finally:
+        client.stop_stream()
+    return None if error is None else error.status() or error.message()
 
 
 def test_kserves_clients(server: Server, tmp_path) -> None:
@@ -169,5 +220,5 @@ def test_kserves_clients(server: Server, tmp_path) -> None:
     assert found["live"] and found["ready"] and found["model_ready"]
     assert found["binary"] == {"id": "k1", "size": [40, 30]}
     assert found["json"] == {"size": [40, 30]}
-    assert "unknown model 'no-such-model'" in found["error"] and "404" in found["error"]
+    assert "unknown model: 'no-such-model'" in found["error"] and "404" in found["error"]
     assert found["grpc"] == {"ready": True, "model_ready": True, "infer": {"id": "g1", "size": [40, 30]}}

@@ -1,14 +1,15 @@
-"""/predict's guarantees on the Open Inference Protocol, HTTP and gRPC, with a slow toy model: a request's images are
-admitted whole or refused whole (503 / UNAVAILABLE with the retry advice), and deadlines (Triton's `timeout`
-parameter, X-Request-Timeout, the gRPC deadline) answer 504 / DEADLINE_EXCEEDED and drop the work before the model;
-a drain answers every admitted call."""
+"""/predict's guarantees on the Open Inference Protocol, HTTP, gRPC and gRPC's stream, with a slow toy model: a
+request's images are admitted whole or refused whole (503 / UNAVAILABLE with the retry advice; on a stream, that
+request's error message, and the stream goes on), and deadlines (Triton's `timeout` parameter, X-Request-Timeout,
+the gRPC deadline) answer 504 / DEADLINE_EXCEEDED and drop the work before the model; a drain answers every admitted
+call."""
 
 from __future__ import annotations
 
 import base64
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
@@ -56,8 +57,8 @@ def v2_body(images: int, **parameters: object) -> dict:
     }
 
 
-def grpc_request(images: int) -> service_pb2.ModelInferRequest:
-    request = service_pb2.ModelInferRequest(model_name=MODEL)
+def grpc_request(images: int, request_id: str = "") -> service_pb2.ModelInferRequest:
+    request = service_pb2.ModelInferRequest(model_name=MODEL, id=request_id)
     request.inputs.add(name="image", datatype="BYTES", shape=[images, 1])
     request.outputs.add(name="output_image")
     request.raw_input_contents.append(b"".join(len(p).to_bytes(4, "little") + p for p in [image_bytes(8, 8)] * images))
@@ -158,6 +159,73 @@ def test_a_grpc_server_side_deadline_is_deadline_exceeded(server: Server, stub) 
         stub.ModelInfer(request, timeout=30)
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     settle(server)
+
+
+def streamed(stub, steps: list[service_pb2.ModelInferRequest | Callable[[], None]], timeout: float = 60) -> dict:
+    """ModelStreamInfer with the call's `timeout`: each request of `steps` sent in turn (a callable step runs between
+    them), then the client's side closed; every answer by its request's id, as (error message, answer)."""
+
+    def requests() -> Iterator[service_pb2.ModelInferRequest]:
+        for step in steps:
+            if isinstance(step, service_pb2.ModelInferRequest):
+                yield step
+            else:
+                step()
+
+    answers = {}
+    for answer in stub.ModelStreamInfer(requests(), timeout=timeout):
+        answers[answer.infer_response.id] = (answer.error_message, answer.infer_response)
+    return answers
+
+
+def test_a_stream_refuses_what_does_not_fit_on_the_stream_and_goes_on(server: Server, stub) -> None:
+    """One stream: three images take three of the four places; two more are refused whole (an error message with
+    the retry advice, the request's id); the one that fits, sent after, is answered on the same stream."""
+    settle(server)
+    refused_before = server.metric("imgserve_requests_total", route="grpc/ModelInfer", code="503")
+    steps = [
+        grpc_request(3, "three"),
+        lambda: wait_for_depth(server, 3),
+        grpc_request(2, "two"),
+        grpc_request(1, "one"),
+    ]
+    answers = streamed(stub, steps)
+    assert set(answers) == {"three", "two", "one"}
+    error, _ = answers["two"]
+    assert "queue is full" in error and "retry after 1 s" in error
+    assert [(answers[name][0], len(answers[name][1].raw_output_contents)) for name in ("three", "one")] == [("", 1)] * 2
+    assert answers["three"][1].outputs[0].shape == [3, 1]
+    assert server.metric("imgserve_requests_total", route="grpc/ModelInfer", code="503") - refused_before == 1
+    settle(server)
+
+
+def test_a_streams_deadlines_answer_on_the_stream_and_drop_the_work(server: Server, stub) -> None:
+    """A stream's request with Triton's `timeout` that runs out in the queue is answered with its error and never
+    computed, while the stream's other request is answered; a stream whose own deadline passes with a request
+    queued ends that request (its error, or the call's DEADLINE_EXCEEDED), counted 504 either way."""
+    settle(server)
+    computed_before = server.metric("imgserve_batch_size_sum")
+    late_before = server.metric("imgserve_requests_total", route="grpc/ModelInfer", code="504")
+    with ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(infer, server, 1)
+        server.wait_until_computing()
+        late = grpc_request(1, "late")
+        late.parameters["timeout"].int64_param = 200_000  # microseconds
+        answers = streamed(stub, [late, grpc_request(1, "waits")])
+        assert "deadline" in answers["late"][0] and answers["waits"][0] == ""
+        assert busy.result().status_code == 200
+        busy = pool.submit(infer, server, 1)
+        server.wait_until_computing()
+        try:  # imgserve's timer (the call's deadline is the request's) or gRPC's, whichever fires first
+            error = streamed(stub, [grpc_request(1, "queued")], timeout=0.3)["queued"][0]
+        except grpc.RpcError as ended:
+            error = str(ended.code())
+        assert "deadline" in error.lower(), error
+        assert busy.result().status_code == 200
+    settle(server)
+    time.sleep(DELAY_S)  # had the worker taken an expired request, it would be computing it now
+    assert server.metric("imgserve_batch_size_sum") - computed_before == 3, "an expired request was computed"
+    assert server.metric("imgserve_requests_total", route="grpc/ModelInfer", code="504") - late_before == 2
 
 
 def test_sigterm_answers_in_flight_grpc_calls_and_refuses_new_ones(tmp_path, monkeypatch) -> None:

@@ -42,7 +42,7 @@ def test_health_metadata_and_config_agree(client: triton.InferenceServerClient) 
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(MODEL)
     server = client.get_server_metadata()
     assert server["name"] == "imgserve"
-    assert set(server["extensions"]) == {"binary_tensor_data", "model_configuration", "classification"}
+    assert set(server["extensions"]) == {"binary_tensor_data", "model_configuration", "classification", "statistics"}
     metadata = client.get_model_metadata(MODEL)
     assert metadata["inputs"] == [
         {"name": "image", "datatype": "BYTES", "shape": [-1, 1]},
@@ -220,6 +220,22 @@ def test_unknown_models_and_routes_answer_the_protocols_error(
     response = httpx.request(method, f"{server.url}{path}", json={"inputs": []})
     assert response.status_code == status
     assert list(response.json()) == ["error"]
+
+
+def test_shared_memory_is_not_supported(server: Server, client: triton.InferenceServerClient) -> None:
+    """reuse_infer_objects_client.py's calls: the shared-memory routes, and a tensor that names a region, answer 501
+    with the protocol's error and why; the server stays ready."""
+    with pytest.raises(InferenceServerException, match="shared memory is not supported") as caught:
+        client.register_system_shared_memory("input0_data", "/input_simple", 64)
+    assert caught.value.status() == "501"
+    for path in ("/v2/systemsharedmemory/status", "/v2/cudasharedmemory/region/r0/unregister"):
+        response = httpx.post(f"{server.url}{path}")
+        assert response.status_code == 501 and "not supported" in response.json()["error"]
+    tensor = triton.InferInput("image", [1, 1], "BYTES")
+    tensor.set_shared_memory("input0_data", 64)
+    with pytest.raises(InferenceServerException, match="'image': shared memory is not supported"):
+        client.infer(MODEL, [tensor])
+    assert client.is_server_ready()
 
 
 def test_client_sees_the_servers_message(client: triton.InferenceServerClient) -> None:

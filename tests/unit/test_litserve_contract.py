@@ -29,12 +29,13 @@ def litserve_uses(tree: ast.AST, where: str) -> list[str]:
             if node.module != "litserve" or not names <= ALLOWED:
                 found.append(f"{where}: from {node.module} import {', '.join(sorted(names))}")
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
-            if node.attr not in ALLOWED:
-                found.append(f"{where}: {node.value.id}.{node.attr}")
-        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-            if isinstance(node.value, ast.Attribute) and node.value.attr == "lit":
-                found.append(f"{where}: .lit.{node.attr}")
+        if not isinstance(node, ast.Attribute):
+            continue
+        if isinstance(node.value, ast.Name) and node.value.id in aliases and node.attr not in ALLOWED:
+            found.append(f"{where}: {node.value.id}.{node.attr}")
+        private = node.attr.startswith("_") and not node.attr.startswith("__")
+        if private and isinstance(node.value, ast.Attribute) and node.value.attr == "lit":
+            found.append(f"{where}: .lit.{node.attr}")
     return found
 
 

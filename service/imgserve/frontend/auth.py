@@ -1,5 +1,5 @@
-"""Authentication: API keys guard the inference routes (/predict, v2 HTTP infer, gRPC ModelInfer; and /metrics,
-/info, /docs, /openapi.json if asked); health and metadata routes stay open.
+"""Authentication: API keys guard the inference routes (/predict, v2 HTTP infer, gRPC ModelInfer and its stream; and
+/metrics, /info, /docs, /openapi.json and the v2 statistics if asked); health and metadata routes stay open.
 
 A client sends `Authorization: Bearer <key>` or `X-API-Key: <key>`. Keys come from `api_key` (comma separated,
 so an old and a new key work side by side while clients rotate) and `api_key_file` (one per line, e.g. a mounted
@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from imgserve.config import Access
 from imgserve.errors import ApiError
-from imgserve.frontend.telemetry import DOCS_PATHS, INFER_ROUTES, route
+from imgserve.frontend.telemetry import DOCS_PATHS, INFER_ROUTES, V2_STATS, route
 from imgserve.metrics import API_KEY_RELOAD_FAILURES
 
 MAX_KEY_FILE_BYTES = 64 * 1024
@@ -34,8 +34,8 @@ log = logging.getLogger(__name__)
 
 def guarded_routes(access: Access) -> set[str]:
     """The route labels (telemetry.route) that need a key when keys are configured: the inference routes, and with
-    protect_metrics what describes the server (/metrics, /info, /docs, /openapi.json)."""
-    described = {"/metrics", "/info", *DOCS_PATHS} if access.protect_metrics else set()
+    protect_metrics what describes the server (/metrics, /info, /docs, /openapi.json, the v2 statistics)."""
+    described = {"/metrics", "/info", V2_STATS, *DOCS_PATHS} if access.protect_metrics else set()
     return INFER_ROUTES | described
 
 

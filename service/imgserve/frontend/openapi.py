@@ -242,6 +242,7 @@ class Describer:
             self.route("/v2", "GET", "server_metadata", "v2", response_model=v2.ServerMetadata),
             self.route("/v2/health/live", "GET", "server_live", "v2", response_model=v2.Live),
             self.route("/v2/health/ready", "GET", "server_ready", "v2", response_model=v2.Ready, responses=not_ready),
+            self.route("/v2/models/stats", "GET", "statistics", "v2", response_model=v2.Statistics),
         ]
         named = Path(description="The model's name", json_schema_extra={"enum": [name]})
         model = _param("model", Annotated[str, named])
@@ -284,6 +285,9 @@ class Describer:
                 parameters,
                 response_model=v2.ModelConfig,
                 responses=missing,
+            ),
+            self.route(
+                f"{base}/stats", "GET", f"model_statistics{suffix}", "v2", parameters, response_model=v2.Statistics
             ),
             self.route(
                 infer,

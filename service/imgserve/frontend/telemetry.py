@@ -22,10 +22,12 @@ PREDICT_PATHS = ("/predict", "/v1/images:predict")
 DOCS_PATHS = ("/docs", "/openapi.json")
 DOCS_ASSETS = "/docs/assets"  # Swagger UI's files: one label for them all
 ROUTES = {*PREDICT_PATHS, *DOCS_PATHS, "/health", "/health/live", "/health/ready", "/info", "/metrics", "/"}
-# The Open Inference Protocol's routes carry the model's name: each protocol is one label for its inferences and
-# one for the rest (health, metadata, config), whatever the model and version named in the path.
-V2_INFER, V2_OTHER = "/v2/infer", "/v2"
+# The Open Inference Protocol's routes carry the model's name: each protocol is one label for its inferences, one
+# for its statistics (guarded with /metrics) and one for the rest (health, metadata, config), whatever the model and
+# version named in the path.
+V2_INFER, V2_STATS, V2_OTHER = "/v2/infer", "/v2/stats", "/v2"
 V2_INFER_PATH = re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/infer")
+V2_STATS_PATH = re.compile(r"/v2/models(/[^/]+(/versions/[^/]+)?)?/stats")
 GRPC_INFER, GRPC_OTHER = "grpc/ModelInfer", "grpc"
 INFER_ROUTES = {*PREDICT_PATHS, V2_INFER}
 
@@ -44,7 +46,9 @@ def route(path: str) -> str:
     if path.startswith(f"{DOCS_ASSETS}/"):
         return DOCS_ASSETS
     if path == "/v2" or path.startswith("/v2/"):
-        return V2_INFER if V2_INFER_PATH.fullmatch(path) else V2_OTHER
+        if V2_INFER_PATH.fullmatch(path):
+            return V2_INFER
+        return V2_STATS if V2_STATS_PATH.fullmatch(path) else V2_OTHER
     return "other"
 
 

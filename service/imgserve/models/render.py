@@ -47,7 +47,10 @@ class PredictParams(BaseModel):
 
 # The Open Inference Protocol's outputs of each kind (the batch dimension comes first, before these dims).
 TENSORS = {
-    "image": (TensorSpec("output_image", "BYTES", (1,)), TensorSpec("output_pixels", "UINT8", (-1, -1, -1))),
+    "image": (
+        TensorSpec("output_image", "BYTES", (1,), binary=True),
+        TensorSpec("output_pixels", "UINT8", (-1, -1, -1)),
+    ),
     "classify": (TensorSpec("scores", "FP32", (-1,)),),
     "segment": (TensorSpec("mask", "UINT8", (-1, -1)),),
     "detect": (

@@ -1,5 +1,6 @@
-"""The Open Inference Protocol over HTTP, beside imgserve's own routes on the same port: health, metadata, config
-and infer (JSON tensors, Triton's binary tensor data extension, raw binary bodies, gzip/deflate bodies).
+"""The Open Inference Protocol over HTTP, beside imgserve's own routes on the same port: health, metadata, config,
+statistics and infer (JSON tensors, Triton's binary tensor data extension, raw binary bodies, gzip/deflate bodies);
+the shared-memory extensions' routes answer that they are not supported (501, as Triton answers with them off).
 
 Errors are the protocol's `{"error": "<message>"}`. Health answers 200 for true and 400 for false (required_api.md:
 "a 4xx status code indicates false"; Triton's choice of 4xx), with JSON bodies where the text wants them empty
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -26,6 +27,7 @@ from imgserve.frontend.v2.model import VERSION, ServedModel
 from imgserve.frontend.v2.tensors import InferRequest, RequestedOutput, Tensor
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+ACTIONS = ("status", "register", "unregister")  # of the shared-memory extensions
 NOT_READY = 400
 ANY_ZLIB_HEADER = 32 + zlib.MAX_WBITS  # gzip or zlib, told apart by the header
 
@@ -43,14 +45,19 @@ class V2Routes:
             Route("/v2/", self.server_metadata, methods=["GET"]),  # the OpenAPI document's spelling
             Route("/v2/health/live", self.live, methods=["GET"]),
             Route("/v2/health/ready", self.ready, methods=["GET"]),
+            Route("/v2/models/stats", self.statistics, methods=["GET"]),
         ]
         for base in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
             found += [
                 Route(base, self.metadata, methods=["GET"]),
                 Route(f"{base}/ready", self.model_ready, methods=["GET"]),
                 Route(f"{base}/config", self.config, methods=["GET"]),
+                Route(f"{base}/stats", self.statistics, methods=["GET"]),
                 Route(f"{base}/infer", self.infer, methods=["POST"]),
             ]
+        for memory in ("systemsharedmemory", "cudasharedmemory"):
+            for base in (f"/v2/{memory}", f"/v2/{memory}/region/{{region}}"):
+                found += [Route(f"{base}/{action}", self.shared_memory, methods=["GET", "POST"]) for action in ACTIONS]
         return found
 
     async def server_metadata(self, request: Request) -> JSONResponse:
@@ -70,6 +77,19 @@ class V2Routes:
 
     async def config(self, request: Request) -> Response:
         return await self._answer(request, lambda: JSONResponse(self.model.config()))
+
+    async def statistics(self, request: Request) -> Response:
+        """Every model's statistics (`/v2/models/stats`), or one model's; read on a thread (it reads files)."""
+        name = request.path_params.get("model")
+        try:
+            if name is not None:
+                self.model.check(name, request.path_params.get("version"))
+            return JSONResponse(await run_in_threadpool(self.model.statistics))
+        except ApiError as error:
+            return error.response(request.url.path)
+
+    async def shared_memory(self, request: Request) -> Response:
+        return tensors.not_supported(tensors.NO_SHARED_MEMORY).response(request.url.path)
 
     def _model_ready(self) -> JSONResponse:
         return self._readiness({"name": self.model.name})
@@ -106,7 +126,7 @@ class V2Routes:
         no more than their element count, which the parser holds to max_images."""
         body, encoding = await request.body(), _encoding(request.headers.get("content-encoding"))
         header_length = request.headers.get(HEADER_LENGTH)
-        limits = (header_length, self.max_body_bytes, self.model.max_images())
+        limits = (header_length, self.max_body_bytes, self.model.max_images(), self.model.binary_inputs)
         if encoding == "identity" and tensors.json_length(len(body), header_length) <= INLINE_CODEC_BYTES:
             return parse_body(body, encoding, *limits)
         return await self.model.inference.codec.run(parse_body, body, encoding, *limits)
@@ -132,10 +152,13 @@ class V2Routes:
         return Response(b"".join([text, *blobs]), media_type="application/octet-stream", headers=headers)
 
 
-def parse_body(body: bytes, encoding: str, header_length: str | None, limit: int, max_images: int) -> InferRequest:
+def parse_body(
+    body: bytes, encoding: str, header_length: str | None, limit: int, max_images: int, binary: Collection[str]
+) -> InferRequest:
     """An infer body after its Content-Encoding, parsed: at most `limit` bytes once inflated and `max_images` BYTES
-    elements per input (413 beyond either), each checked before the work it bounds is done."""
-    return tensors.parse_http(_decompressed(body, encoding, limit), header_length, max_images)
+    elements per input (413 beyond either), each checked before the work it bounds is done; the BYTES inputs named
+    in `binary` are base64 in JSON, any other text."""
+    return tensors.parse_http(_decompressed(body, encoding, limit), header_length, max_images, binary)
 
 
 def _encoding(value: str | None) -> str:

@@ -24,13 +24,14 @@ from imgserve.config import Batching, ServerSettings
 from imgserve.errors import ApiError
 from imgserve.frontend.inference import Inference, Steps
 from imgserve.frontend.responding import json_bytes
+from imgserve.frontend.v2.statistics import Samples, model_statistics
 from imgserve.frontend.v2.tensors import DTYPES, InferRequest, RequestedOutput, Tensor, bad, from_raw
 from imgserve.handoff.state import SharedState
 from imgserve.models.loader import is_torchscript
 from imgserve.version import __version__
 
 VERSION = "1"
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "classification"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "classification", "statistics"]
 
 
 def platform(model: str) -> str:
@@ -60,12 +61,16 @@ class ServedModel:
         self.api, self.name, self.batching, self.settings = api, name, batching, settings
         self.state, self.inference, self.not_ready_reason = state, inference, not_ready_reason
         self.platform = platform(api.model or "")
+        self.binary_inputs = frozenset(
+            spec.name for spec in api.inputs if spec.datatype == "BYTES" and spec.holds_binary
+        )
         self._encode = encoder(api)
 
     def check(self, name: str, version: str | None = None) -> None:
         """404 unless `name` (and `version`, if given) is the served model."""
         if name != self.name:
-            raise ApiError(404, "unknown_model", f"unknown model {name[:100]!r}; this server serves {self.name!r}")
+            message = f"Request for unknown model: {name[:100]!r} is not found; this server serves {self.name!r}"
+            raise ApiError(404, "unknown_model", message)
         if version not in (None, "", VERSION):
             raise ApiError(404, "unknown_version", f"model {name!r} has only version {VERSION}, not {version[:20]!r}")
 
@@ -85,6 +90,10 @@ class ServedModel:
             "outputs": [_metadata(spec) for spec in self.api.outputs],
         }
 
+    def statistics(self) -> dict[str, Any]:
+        """The statistics extension's answer: this model's entry (statistics.py says what each figure is)."""
+        return {"model_stats": [model_statistics(self.name, VERSION, Samples())]}
+
     def config(self) -> dict[str, Any]:
         """The part of Triton's model configuration that clients (perf_analyzer, image_client) read."""
         configured = self.batching.max_batch_size
@@ -94,8 +103,8 @@ class ServedModel:
             "name": self.name,
             "platform": self.platform,
             "max_batch_size": int(batch),
-            "input": [_config(spec, optional=several, image=True) for spec in self.api.inputs],
-            "output": [_config(spec) for spec in self.api.outputs],
+            "input": [config_tensor(spec, optional=several, image=True) for spec in self.api.inputs],
+            "output": [config_tensor(spec) for spec in self.api.outputs],
             "dynamic_batching": {"max_queue_delay_microseconds": int(self.batching.batch_timeout_ms * 1000)},
         }
 
@@ -166,7 +175,8 @@ class ServedModel:
             elements = [_elements(value) for value in values]
             if len({len(row) for row in elements}) > 1:
                 raise bad(f"output {spec.name!r}: the items have different numbers of elements")
-            return Tensor(spec.name, "BYTES", [len(values), len(elements[0])], [e for row in elements for e in row])
+            shape, flat = [len(values), len(elements[0])], [e for row in elements for e in row]
+            return Tensor(spec.name, "BYTES", shape, flat, text=not spec.holds_binary)
         arrays = [np.asarray(value, dtype=DTYPES[spec.datatype]) for value in values]
         return Tensor(spec.name, spec.datatype, *_stacked(spec, arrays))
 
@@ -251,12 +261,14 @@ def _metadata(spec: TensorSpec) -> dict[str, Any]:
     return {"name": spec.name, "datatype": spec.datatype, "shape": [-1, *spec.dims]}
 
 
-def _config(spec: TensorSpec, optional: bool = False, image: bool = False) -> dict[str, Any]:
-    """A tensor in Triton's model configuration; an input says its image format (image_client reads it)."""
+def config_tensor(spec: TensorSpec, optional: bool = False, image: bool = False) -> dict[str, Any]:
+    """A tensor in Triton's model configuration; an input says its image format (image_client reads it): the one
+    its TensorSpec declares, else NHWC guessed from dims (H, W, 1|3), else none."""
     data_type = "TYPE_STRING" if spec.datatype == "BYTES" else f"TYPE_{spec.datatype}"
     entry: dict[str, Any] = {"name": spec.name, "data_type": data_type, "dims": list(spec.dims)}
     if image:
-        entry["format"] = "FORMAT_NHWC" if len(spec.dims) == 3 and spec.dims[2] in (1, 3) else "FORMAT_NONE"
+        guessed = "NHWC" if len(spec.dims) == 3 and spec.dims[2] in (1, 3) else "NONE"
+        entry["format"] = f"FORMAT_{spec.format or guessed}"
     return {**entry, "optional": True} if optional else entry
 
 

@@ -55,7 +55,7 @@ class ConfigTensor(BaseModel):
     name: str
     data_type: str = Field(description="TYPE_STRING for BYTES, else TYPE_ and the datatype")
     dims: list[int] = Field(description="Without the batch dimension; -1: any length")
-    format: str | None = Field(None, description="An input's image layout: FORMAT_NHWC or FORMAT_NONE")
+    format: str | None = Field(None, description="An input's image layout: FORMAT_NCHW, FORMAT_NHWC or FORMAT_NONE")
     optional: bool | None = None
 
 
@@ -78,7 +78,9 @@ class Tensor(BaseModel):
         {}, description="binary_data_size: the tensor's bytes follow the JSON header instead of `data`"
     )
     data: list[Any] | None = Field(
-        None, description="The elements in row-major order, flat or nested; BYTES elements as strings"
+        None,
+        description="The elements in row-major order, flat or nested; BYTES elements as strings: text, or base64 for "
+        "an input or output that holds binary data (`image`, encoded images)",
     )
 
 
@@ -103,3 +105,35 @@ class InferResponse(BaseModel):
     model_version: str
     id: str | None = None
     outputs: list[Tensor]
+
+
+class DurationStat(BaseModel):
+    count: int
+    ns: int = Field(description="Cumulative nanoseconds")
+
+
+class InferenceStats(BaseModel):
+    success: DurationStat
+    fail: DurationStat
+    queue: DurationStat
+    compute_input: DurationStat
+    compute_infer: DurationStat
+    compute_output: DurationStat
+    cache_hit: DurationStat
+    cache_miss: DurationStat
+
+
+class ModelStatistics(BaseModel):
+    name: str
+    version: str
+    last_inference: int = Field(description="Not measured: 0")
+    inference_count: int = Field(description="Images the model ran")
+    execution_count: int = Field(description="The model's batches")
+    inference_stats: InferenceStats
+    batch_stats: list[dict[str, Any]]
+
+
+class Statistics(BaseModel):
+    """The statistics extension's answer: what imgserve measured, per model (docs/v2-protocol.md#statistics)."""
+
+    model_stats: list[ModelStatistics]

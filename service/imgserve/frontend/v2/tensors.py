@@ -3,7 +3,8 @@
 HTTP bodies are parsed here: a JSON inference header, optionally followed by binary tensors (Triton's binary tensor
 data extension: `Inference-Header-Content-Length`, `binary_data_size`), or a raw binary body (header length 0).
 Binary tensors are little-endian, row-major; each BYTES element is a uint32 little-endian length, then the bytes.
-In JSON, a BYTES element that holds an image is a base64 string (JSON strings cannot carry arbitrary bytes).
+In JSON a BYTES element is a string, as the protocol writes it: text as it is (UTF-8), or base64 where the model
+declares the tensor binary (an encoded image: JSON strings cannot carry arbitrary bytes).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import math
 import re
 import struct
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,6 +44,9 @@ MAX_TENSORS = 16
 MAX_DIMENSIONS = 8
 STRING_ALLOWANCE = 4096  # JSON strings a request may hold beside its BYTES elements: keys, names, parameters
 _LENGTH = struct.Struct("<I")
+# The shared-memory extensions (system and CUDA) are not served: a client's region is memory on the server's host
+# that the server would map at a caller's word, and imgserve is served over the network from a pod.
+NO_SHARED_MEMORY = "shared memory is not supported by this server: send the tensors in the request"
 _DIGITS = re.compile(r"[0-9]{1,15}")
 
 
@@ -106,9 +111,23 @@ def bad(message: str) -> ApiError:
     return ApiError(400, "bad_request", message[:300])
 
 
-def parse_http(body: bytes, header_length: str | None, max_elements: int | None = None) -> InferRequest:
+def not_supported(message: str) -> ApiError:
+    """A 501 (gRPC UNIMPLEMENTED): what Triton answers for an extension it does not serve."""
+    return ApiError(501, "not_supported", message[:300])
+
+
+def check_in_request(name: str, parameters: Mapping[str, Any]) -> None:
+    """501 for a tensor whose data is said to lie in a shared-memory region (NO_SHARED_MEMORY says why)."""
+    if "shared_memory_region" in parameters:
+        raise not_supported(f"tensor {name[:100]!r}: {NO_SHARED_MEMORY}")
+
+
+def parse_http(
+    body: bytes, header_length: str | None, max_elements: int | None = None, base64_inputs: Collection[str] = ()
+) -> InferRequest:
     """An HTTP infer body -> InferRequest; `header_length` is the Inference-Header-Content-Length header. Every BYTES
-    input holds at most `max_elements` elements (413 beyond), checked from its shape before anything is unpacked."""
+    input holds at most `max_elements` elements (413 beyond), checked from its shape before anything is unpacked.
+    The BYTES inputs named in `base64_inputs` are base64 in JSON; any other is text."""
     if header_length is None:
         header, binary = body, b""
     else:
@@ -118,11 +137,13 @@ def parse_http(body: bytes, header_length: str | None, max_elements: int | None 
         header, binary = body[:length], body[length:]
     model = _header(header, max_elements)
     inputs, offset = [], 0
+    for item in [*model.inputs, *(model.outputs or ())]:
+        check_in_request(item.name, item.parameters)
     for item in model.inputs:
         check_elements(item.name, item.datatype, item.shape, max_elements)
         size = item.parameters.get("binary_data_size")
         if size is None:
-            inputs.append(from_json(item.name, item.datatype, item.shape, item.data))
+            inputs.append(from_json(item.name, item.datatype, item.shape, item.data, item.name in base64_inputs))
             continue
         if not isinstance(size, int) or size < 0 or offset + size > len(binary):
             raise bad(f"input {item.name!r}: binary_data_size {size!r} runs past the body's binary data")
@@ -237,8 +258,9 @@ def from_binary(name: str, datatype: str, shape: list[int], raw: bytes) -> Tenso
     return Tensor(name, datatype, shape, np.frombuffer(raw, dtype=dtype).reshape(shape))
 
 
-def from_json(name: str, datatype: str, shape: list[int], data: Any) -> Tensor:
-    """A tensor from JSON `data` (flat or nested row-major lists); BYTES elements are base64 strings."""
+def from_json(name: str, datatype: str, shape: list[int], data: Any, binary: bool = False) -> Tensor:
+    """A tensor from JSON `data` (flat or nested row-major lists). BYTES elements are strings: base64 when the input
+    is `binary`, else text, taken as its UTF-8 bytes."""
     if data is None:
         raise bad(f"input {name!r} has neither data nor parameters.binary_data_size")
     flat = _flatten(data if isinstance(data, list) else [data])
@@ -247,11 +269,16 @@ def from_json(name: str, datatype: str, shape: list[int], data: Any) -> Tensor:
             raise bad(f"input {name!r}: FP16 cannot travel as JSON; send it as binary data")
         return from_numbers(name, datatype, shape, flat)
     if not all(isinstance(item, str) for item in flat):
-        raise bad(f"input {name!r}: BYTES data must be base64 strings")
+        raise bad(f"input {name!r}: BYTES data must be strings")
+    if not binary:
+        try:
+            return from_elements(name, shape, [item.encode() for item in flat])
+        except UnicodeEncodeError:  # a lone surrogate, such as "\\ud800" in the JSON: no text
+            raise bad(f"input {name!r}: a BYTES string is not valid Unicode text") from None
     try:
         values = [base64.b64decode(item, validate=True) for item in flat]
     except ValueError:  # binascii.Error, or a character outside ASCII
-        raise bad(f"input {name!r}: BYTES data must be base64 strings (an image cannot travel as JSON text)") from None
+        raise bad(f"input {name!r} holds binary data: its BYTES strings must be base64 in JSON") from None
     return from_elements(name, shape, values)
 
 
@@ -340,9 +367,13 @@ def nbytes(tensor: Tensor) -> int:
 
 
 def json_data(tensor: Tensor) -> list:
-    """A tensor's JSON `data`: flat, row-major; BYTES as text or base64."""
+    """A tensor's JSON `data`: flat, row-major; BYTES as text or base64 (500 for text that is not UTF-8)."""
     if tensor.datatype == "BYTES":
-        if tensor.text:
+        if not tensor.text:
+            return [base64.b64encode(value).decode("ascii") for value in tensor.data]
+        try:
             return [value.decode("utf-8") for value in tensor.data]
-        return [base64.b64encode(value).decode("ascii") for value in tensor.data]
+        except UnicodeDecodeError:
+            message = f"output {tensor.name!r} is declared text, but encode_response gave bytes that are not UTF-8"
+            raise ApiError(500, "api_error", f"{message} (declare it TensorSpec(..., binary=True))") from None
     return np.asarray(tensor.data).reshape(-1).tolist()
