@@ -1,5 +1,5 @@
 """imgserve: serve PyTorch image models over HTTP and the Open Inference Protocol, with dynamic batching bounded by
-measured memory, load shedding, deadlines and a clean drain, on LitServe.
+measured memory, load shedding, deadlines and a clean drain; your own API is a LitServe API class.
 
 Your own Python around your own model is an `ImageAPI` (docs/custom-api.md); `serve(MyAPI())` runs it as
 `imgserve serve --api module:MyAPI` does. The public names are imported on first use, so that importing one of the

@@ -32,7 +32,7 @@ REQUEST_SECONDS = Counter(  # the same times as REQUEST_DURATION, kept apart by 
 )
 QUEUE_WAIT = Histogram(
     "imgserve_queue_wait_seconds",
-    "Time from admission to the start of the model batch",
+    "Time from the hand-off to the workers (decoded, queued) to the start of the model batch",
     buckets=LATENCY_BUCKETS,
 )
 BATCH_SIZE = Histogram("imgserve_batch_size", "Images per model batch", buckets=BATCH_BUCKETS)

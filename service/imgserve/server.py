@@ -230,7 +230,7 @@ def processes(pod: Pod, directory: ServerDirectory, keys: Keys) -> Processes:
     requests, answers = RequestSocket(directory.root), AnswerSockets(directory.root, plan.front_ends)
     copies = 1 if weights.shared else plan.workers_per_device
     facts = telemetry.ModelFacts(
-        served.api.describe(), str(served.api.precision), plan.devices, copies * weights.nbytes, __version__
+        served.api.describe(), served.api.precision or "", plan.devices, copies * weights.nbytes, __version__
     )
     collector = telemetry.PodCollector(state, directory.slots, facts)
     metrics.preregister()

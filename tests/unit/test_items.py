@@ -225,7 +225,7 @@ def test_a_placed_item_travels_in_a_request_message_and_resolves_in_the_worker(s
     data = wire.pack_request(wire.RequestMessage(0, "0.9", SLOT, 9, 1.0, 10.0, placed))
     assert len(data) < 4096, "the large data stayed in the slot"
     received = wire.unpack_request(data)
-    assert (received.front_end, received.uid, received.admitted, received.slot) == (0, "0.9", 1.0, SLOT)
+    assert (received.front_end, received.uid, received.queued, received.slot) == (0, "0.9", 1.0, SLOT)
     assert references(received.item) == references(placed)
     resolved = items.resolve(received.item, slot.read)
     assert_same(resolved, expected(original))

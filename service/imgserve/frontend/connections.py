@@ -1,23 +1,23 @@
 """The connection layer: uvicorn's httptools protocol with the limits that stop one client from starving the others.
 
-httptools bounds neither headers nor time, so each connection here is held to: `max_connections` open at once
-(503), `header_timeout_s` for the request line and headers (408), `max_header_bytes` / `max_headers` (431),
-`body_timeout_s` of silence and `min_upload_rate` within a body (408). Each refusal is a pre-built JSON error
-with `Connection: close`, then a lingering close (our side shut, the client's late bytes read and dropped for a
-moment) so that a client still sending reads its answer instead of a reset. An answer sent before the body is in
-always carries `Connection: close`. An inference request (/predict, v2 HTTP infer) that the pod cannot take
-(queue full, draining) is answered 503 here, before any ASGI work, and its body is skipped, keeping the connection
-for the client's retry (on /v2 routes in the protocol's envelope). A client that comes back on the same connection
-sooner than the Retry-After it was given gets its next 503 only once that time is up, plus a random part of up to
-as much again, and each time it comes back that early again it waits twice as long (up to 4x Retry-After): a retry
-storm of clients that resend at once costs the pod one answer per client per few Retry-Afters, not as many as the
-clients can send (and the clients' own CPU, where they share the machine), and its clients come back spread out
-instead of all together every Retry-After. A client that waits as it is told is never held.
+httptools bounds neither headers nor time, so each connection here is held to: `max_connections` open at once (503),
+`header_timeout_s` for the request line and headers (408), `max_header_bytes` / `max_headers` (431), `body_timeout_s` of
+silence and `min_upload_rate` within a body (408). Each refusal is a pre-built JSON error with `Connection: close`, then
+a lingering close (our side shut, the client's late bytes read and dropped for a moment) so that a client still sending
+reads its answer instead of a reset. An answer sent before the body is in always carries `Connection: close`. An
+inference request (/predict, v2 HTTP infer, a plain LitAPI's path) that the pod cannot take (queue full, draining) is
+answered 503 here, before any ASGI work, and its body is skipped, keeping the connection for the client's retry (on /v2
+routes in the protocol's envelope). A client that comes back on the same connection sooner than the Retry-After it was
+given gets its next 503 only once that time is up, plus a random part of up to as much again, and each time it comes
+back that early again it waits twice as long (up to 4x Retry-After): a retry storm of clients that resend at once costs
+the pod one answer per client per few Retry-Afters, not as many as the clients can send (and the clients' own CPU, where
+they share the machine), and its clients come back spread out instead of all together every Retry-After. A client that
+waits as it is told is never held.
 
-The one module built on uvicorn's internals (its HttpToolsProtocol, request cycle and flow control): `PINNED` names
-each one used here with what it was written against; tests/unit/test_uvicorn_seam.py checks the installed uvicorn
-against it, and that no other module reaches past uvicorn's public names. What names cannot show (which callback
-fires when; the request cycle writes through `protocol.transport`) the connection tests hold (integration/test_hostile).
+The one module built on uvicorn's internals (its HttpToolsProtocol, request cycle and flow control): `PINNED` names each
+one used here with what it was written against; tests/unit/test_uvicorn_seam.py checks the installed uvicorn against it,
+and that no other module reaches past uvicorn's public names. What names cannot show (which callback fires when; the
+request cycle writes through `protocol.transport`) the connection tests hold (integration/test_hostile).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from imgserve.handoff import wire
 
 log = logging.getLogger(__name__)
 BUFFER_BYTES = 4 * 1024 * 1024  # asked of the kernel for both ends (capped by net.core.[rw]mem_max)
-MAX_ANSWER_BYTES = 192 * 1024  # more than any answer that is not written into its slot (api.INLINE_BYTES)
+MAX_ANSWER_BYTES = 192 * 1024  # more than any answer not written into its slot (worker/serving.py's INLINE_BYTES)
 READ_AT_ONCE = 64  # answers read per wake-up of the front end's event loop, so requests get their turn too
 SEND_TIMEOUT_S = 10.0  # a front end that reads nothing for this long gets its answer dropped (its client: 504)
 

@@ -3,7 +3,7 @@
 The event loop sends each request to the workers' datagram socket itself, without blocking (a sender thread takes
 over only while that socket's queue is full, every worker busy), and reads the answers from this front end's
 datagram socket (`answers`) as the selector reports them: no thread hop on the way there or back. The pixels go through
-the request's shared-memory slot (`pixel_slots`); a slot is reused only once its worker has answered (or died),
+the request's shared-memory slot (`slots`); a slot is reused only once its worker has answered (or died),
 never while a worker may still read or write it, even when the client has long had its 504.
 """
 

@@ -1,5 +1,5 @@
 """Shared-memory slots: each in-flight request owns a file in /dev/shm that carries its pixels to the worker and the
-result back, so LitServe's queues (pickled through its Manager process) carry only a few small fields.
+result back, so the messages on the hand-off's sockets carry only a few small fields.
 
 One directory per server (`slots` in its private directory, handoff/directory.py), one file per slot, kept open by
 every process that uses it. The front end writes an item's arrays with one `pwrite` each and reads the outputs back

@@ -2,7 +2,7 @@
 
 Each kind has two steps. In the worker, the model's output for one image becomes a small result (this module):
 uint8 pixels (image), a float score vector (classify), a uint8 class-index mask (segment), lists of boxes (detect).
-In the front end, that result becomes the HTTP answer (frontend/render.py).
+In the front end, that result becomes the HTTP answer (models/render.py).
 """
 
 from __future__ import annotations

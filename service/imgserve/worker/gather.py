@@ -1,7 +1,7 @@
 """Gathering a batch: how an inference worker takes requests off the request socket, without polling it.
 
 The worker blocks on the socket, and closes a batch when it is full, when `batch_timeout_s` has passed since its
-oldest request was admitted, or at once when no other admitted request could join it (so a lone request never
+oldest request was queued, or at once when no other admitted request could join it (so a lone request never
 waits for company). Each request it takes is marked in shared memory as this worker's, so its front end knows
 whose death to watch for.
 """
@@ -31,7 +31,7 @@ class Gatherer:
         if first is None:
             return []
         batch = [first]
-        closes_at = first.admitted + timeout_s
+        closes_at = first.queued + timeout_s
         while len(batch) < max_size and self.state.queue_depth > len(batch):
             request = self._take(closes_at - time.monotonic())
             if request is None:

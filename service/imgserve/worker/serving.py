@@ -116,7 +116,7 @@ class Worker:
         live = [i for i, request in enumerate(requests) if request.deadline > now]  # front ends count the rest
         values: dict[int, Any] = {}
         for i in live:
-            metrics.QUEUE_WAIT.observe(now - requests[i].admitted)
+            metrics.QUEUE_WAIT.observe(now - requests[i].queued)
             values[i], answers[i] = _guarded(self._read, requests[i], where="reading the request")
         ready = [i for i in live if answers[i] is None]
         if not ready:
