@@ -6,6 +6,8 @@ import argparse
 import os
 import stat
 import sys
+import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -28,6 +30,8 @@ def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
             text = (field.description or "").replace("%", "%%")
             if field.annotation is bool:
                 group.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=text)
+            elif typing.get_origin(field.annotation) is list:  # repeated
+                group.add_argument(flag, dest=name, default=None, action="append", help=text)
             else:
                 group.add_argument(flag, dest=name, default=None, help=text)
 
@@ -70,13 +74,17 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(**{k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None})
 
 
-def serve(api: LitAPI | str | None = None, **settings: Any) -> int:
+def serve(api: LitAPI | str | Sequence[LitAPI | str] | None = None, **settings: Any) -> int:
     """Run the server until SIGTERM or Ctrl-C, as `imgserve serve` does: on `api` (an ImageAPI or a plain LitAPI
-    instance, or "module:Class" as --api names one; None: --api's, else the built-in API over --model), with
-    `settings` as keyword arguments over the IMGSERVE_<NAME> variables and the defaults (docs/settings.md). Returns
-    the exit code: 0 after a clean drain, 2 for anything the user got wrong (printed in one line)."""
-    if isinstance(api, str):  # the --api setting, which the command line passes by this name
-        settings["api"], api = api, None
+    instance, or "module:Class" as --api names one, or a list of them, as `litserve.LitServer([A(), B()])` takes;
+    None: --api's and --model's, else the built-in API over --model), with `settings` as keyword arguments over the
+    IMGSERVE_<NAME> variables and the defaults (docs/settings.md). Returns the exit code: 0 after a clean drain, 2 for
+    anything the user got wrong (printed in one line)."""
+    given = [] if api is None else [api] if isinstance(api, LitAPI | str) else list(api)
+    apis = [one for one in given if isinstance(one, LitAPI)]
+    named = [one for one in given if isinstance(one, str)]  # the --api setting, which the command line passes so
+    if named:
+        settings["api"] = [*named, *settings.get("api", [])]
     try:
         resolved = Settings(**settings)
     except (ValidationError, SettingsError) as error:
@@ -94,7 +102,7 @@ def serve(api: LitAPI | str | None = None, **settings: Any) -> int:
             return 2
         from imgserve import server
 
-        return server.serve(resolved, directory, api)
+        return server.serve(resolved, directory, apis)
     finally:
         directory.remove()
 

@@ -35,6 +35,7 @@ PRESETS: dict[str, dict[str, object]] = {
     },
 }
 Channels = Annotated[tuple[float, float, float], NoDecode]  # "R,G,B" from a flag or an environment variable
+
 Part = TypeVar("Part", bound=BaseModel)
 
 
@@ -48,6 +49,16 @@ def _count_or_auto(value: object, info: ValidationInfo) -> object:
 
 
 CountOrAuto = Annotated[int | Literal["auto"], BeforeValidator(_count_or_auto)]
+
+
+def _split(value: object) -> object:
+    """A comma-separated string (an environment variable) as a list; a flag given several times is one already."""
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+Several = Annotated[list[str], NoDecode, BeforeValidator(_split)]  # a repeated flag, or "a,b" in a variable
 
 
 class Concern(BaseModel):
@@ -80,17 +91,31 @@ class Listening(Concern):
 class Serving(Concern):
     """What it serves."""
 
-    api: str | None = Field(
-        None,
+    api: Several = Field(
+        [],
         description="module:Class of your own imgserve.ImageAPI, or of a plain litserve.LitAPI, to serve instead "
-        "of --model (the module is found in the current directory first); docs/custom-api.md.",
+        "of --model (the module is found in the current directory first); repeat it for several; docs/custom-api.md.",
+    )
+    model_repository: str | None = Field(
+        None,
+        description="A folder of models in Triton's layout, one subfolder per model (its name): its model file or "
+        "API module and a config.yaml of its own settings; docs/models.md.",
+    )
+    model_control: Literal["none", "explicit"] = Field(
+        "none",
+        description="explicit = models are loaded and unloaded while serving, by the Open Inference Protocol's "
+        "repository routes (Triton's word); at start only --load-model's are loaded.",
+    )
+    load_model: Several = Field(
+        [],
+        description="With --model-control explicit: the repository's models to load at start (repeat it; * = all).",
     )
     model_name: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
-        description="The model's name in the Open Inference Protocol (/v2/models/<name>, gRPC); "
-        "default: denoiser for the built-in model, else the model file's name without its extension, or an --api's "
-        "`name` (its class name when it sets none).",
+        description="The model's name in the Open Inference Protocol (/v2/models/<name>, gRPC) when one model is "
+        "served; default: denoiser for the built-in model, else the model file's name without its extension, or an "
+        "--api's `name` (its class name when it sets none).",
     )
     trust_pickle: bool = Field(
         False,
@@ -226,7 +251,11 @@ class BuiltinModel(Concern):
 
     --model and what describes it; given with an --api of one's own, they stop the start (exit 2)."""
 
-    model: str = Field(BUILTIN_MODEL, description="builtin:denoiser, or a path to .pt/.pt2/.safetensors/.pth.")
+    model: Several = Field(
+        [BUILTIN_MODEL],
+        description="builtin:denoiser, or a path to .pt/.pt2/.safetensors/.pth; repeat it for several models (the "
+        "other settings of the built-in model apply to each).",
+    )
     model_factory: str | None = Field(
         None, description="module:function that builds the nn.Module for a state-dict/safetensors file."
     )
@@ -297,10 +326,16 @@ class BuiltinModel(Concern):
             )
         return self
 
-    @property
-    def served_name(self) -> str:
-        """The built-in model's default name: the built-in model's own, or the model file's stem."""
-        return BUILTIN_MODEL.partition(":")[2] if self.model == BUILTIN_MODEL else Path(self.model).stem
+    def one(self, path: str) -> BuiltinModel:
+        """These settings for the one model file `path`."""
+        return BuiltinModel.model_construct(
+            **{name: getattr(self, name) for name in BuiltinModel.model_fields} | {"model": [path]}
+        )
+
+
+def served_name(path: str) -> str:
+    """A built-in model's default name: the built-in model's own, or the model file's stem."""
+    return BUILTIN_MODEL.partition(":")[2] if path == BUILTIN_MODEL else Path(path).stem
 
 
 # The server's concerns, in the order docs/settings.md lists them.

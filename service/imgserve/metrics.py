@@ -23,31 +23,45 @@ REJECT_REASONS = (
     "body_timeout",
     "upload_too_slow",
 )
-REQUESTS = Counter("imgserve_requests_total", "HTTP requests answered, by route and status code", ["route", "code"])
+MODEL = "model"  # the model a series is of: one of the models loaded, or "" for what is no model's (health, ...)
+REQUESTS = Counter(
+    "imgserve_requests_total", "HTTP requests answered, by route and status code", ["route", "code", MODEL]
+)
 REQUEST_DURATION = Histogram(
-    "imgserve_request_duration_seconds", "Time from request to answer", ["route"], buckets=LATENCY_BUCKETS
+    "imgserve_request_duration_seconds", "Time from request to answer", ["route", MODEL], buckets=LATENCY_BUCKETS
 )
 REQUEST_SECONDS = Counter(  # the same times as REQUEST_DURATION, kept apart by status (the statistics extension)
-    "imgserve_request_seconds_total", "Time spent answering requests, by route and status code", ["route", "code"]
+    "imgserve_request_seconds_total",
+    "Time spent answering requests, by route and status code",
+    ["route", "code", MODEL],
 )
 QUEUE_WAIT = Histogram(
     "imgserve_queue_wait_seconds",
     "Time from the hand-off to the workers (decoded, queued) to the start of the model batch",
+    [MODEL],
     buckets=LATENCY_BUCKETS,
 )
-BATCH_SIZE = Histogram("imgserve_batch_size", "Images per model batch", buckets=BATCH_BUCKETS)
+BATCH_SIZE = Histogram("imgserve_batch_size", "Images per model batch", [MODEL], buckets=BATCH_BUCKETS)
 DECODE_DURATION = Histogram(
-    "imgserve_decode_duration_seconds", "Time of one item's decode_request (front end)", buckets=LATENCY_BUCKETS
+    "imgserve_decode_duration_seconds",
+    "Time of one item's decode_request (front end)",
+    [MODEL],
+    buckets=LATENCY_BUCKETS,
 )
 ENCODE_DURATION = Histogram(
-    "imgserve_encode_duration_seconds", "Time of one item's encode_response (front end)", buckets=LATENCY_BUCKETS
+    "imgserve_encode_duration_seconds",
+    "Time of one item's encode_response (front end)",
+    [MODEL],
+    buckets=LATENCY_BUCKETS,
 )
 INFERENCE_DURATION = Histogram(
-    "imgserve_inference_duration_seconds", "Time of one batch on the model", buckets=LATENCY_BUCKETS
+    "imgserve_inference_duration_seconds", "Time of one batch on the model", [MODEL], buckets=LATENCY_BUCKETS
 )
-REJECTED = Counter("imgserve_rejected_total", "Requests shed or timed out instead of computed", ["reason"])
-INFLIGHT = Gauge("imgserve_inflight_requests", "Images in a model batch right now", multiprocess_mode="livesum")
-OOM_SPLITS = Counter("imgserve_oom_splits_total", "Batches split and retried after running out of memory")
+REJECTED = Counter("imgserve_rejected_total", "Requests shed or timed out instead of computed", ["reason", MODEL])
+INFLIGHT = Gauge(
+    "imgserve_inflight_requests", "Images in a model batch right now", [MODEL], multiprocess_mode="livesum"
+)
+OOM_SPLITS = Counter("imgserve_oom_splits_total", "Batches split and retried after running out of memory", [MODEL])
 SLOTS_IN_USE = Gauge(
     "imgserve_slots_in_use", "Shared-memory request slots held (answers pending)", multiprocess_mode="livesum"
 )
@@ -58,15 +72,16 @@ API_KEY_RELOAD_FAILURES = Counter(
 )
 
 
-def preregister() -> None:
+def preregister(models: list[str]) -> None:
     """Create the labelled series at zero so rates exist before the first shed."""
     for reason in REJECT_REASONS:
-        REJECTED.labels(reason)
+        for model in ["", *models]:
+            REJECTED.labels(reason, model)
 
 
-def count(label: str, status: int, seconds: float) -> None:
-    """One answer on `label`: imgserve_requests_total, imgserve_request_duration_seconds and
+def count(label: str, status: int, seconds: float, model: str = "") -> None:
+    """One answer on `label` (of `model`): imgserve_requests_total, imgserve_request_duration_seconds and
     imgserve_request_seconds_total."""
-    REQUESTS.labels(label, str(status)).inc()
-    REQUEST_DURATION.labels(label).observe(seconds)
-    REQUEST_SECONDS.labels(label, str(status)).inc(seconds)
+    REQUESTS.labels(label, str(status), model).inc()
+    REQUEST_DURATION.labels(label, model).observe(seconds)
+    REQUEST_SECONDS.labels(label, str(status), model).inc(seconds)

@@ -12,9 +12,10 @@ import contextlib
 import math
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 from imgserve.config import (
     CPU_FRONT_ENDS,
@@ -75,18 +76,23 @@ class PodPlan:
     front_ends: int
     codec_threads_per_front_end: int
     torch_threads: TorchThreads
-    batch_size: int  # the workers' first batch size: max_batch_size, or 1 until `auto` is measured
-    largest_batch: int  # the largest the batch size can become
+    largest_queue: int  # the most requests the pod may admit, whatever batch sizes its models settle on
     slots_per_front_end: int
     reserved_slot_bytes: int  # kept out of a CPU's batch memory: room for every admitted image in its slot
     passive_openmp: bool
     warnings: list[str] = field(default_factory=list)
     max_queue_depth: int = 0  # the operator's bound (0: from the batch size, `queue_bound`)
 
-    def queue_bound(self, batch_size: int) -> int:
-        """Admitted-but-unanswered requests per pod: max_queue_depth, or `QUEUED_BATCHES_PER_WORKER` full batches
-        per worker at `batch_size` (the batch size the workers settled on)."""
-        return self.max_queue_depth or batch_size * self.workers * QUEUED_BATCHES_PER_WORKER
+    def model_queue_bound(self, batch_size: int) -> int:
+        """Admitted-but-unanswered requests of one model: `QUEUED_BATCHES_PER_WORKER` full batches per worker at
+        `batch_size` (the batch size the model settled on), within max_queue_depth."""
+        own = batch_size * self.workers * QUEUED_BATCHES_PER_WORKER
+        return min(own, self.max_queue_depth) if self.max_queue_depth else own
+
+    def queue_bound(self, batch_sizes: Sequence[int]) -> int:
+        """Admitted-but-unanswered requests per pod: max_queue_depth, or the bounds of the models loaded (at the
+        batch sizes they settled on) together."""
+        return self.max_queue_depth or sum(self.model_queue_bound(size) for size in batch_sizes)
 
     def describe(self) -> dict[str, Any]:
         """The plan as JSON for /info."""
@@ -95,16 +101,17 @@ class PodPlan:
         return plan
 
 
-def plan_pod(settings: ServerSettings, machine: Machine) -> PodPlan:
-    """The pod for these settings on this machine."""
+def plan_pod(
+    settings: ServerSettings, machine: Machine, batch_sizes: Sequence[int | Literal["auto"]] | None = None
+) -> PodPlan:
+    """The pod for these settings on this machine, serving models of these batch sizes (the settings' one model's
+    when none are given)."""
     cuda = machine.device_type == "cuda"
     workers_per_device, why = _workers_per_device(settings, machine)
     workers = machine.devices * workers_per_device
     front_ends = _front_ends(settings, machine, workers_per_device)
-    auto_batch = settings.max_batch_size == "auto"
-    batch_size = 1 if auto_batch else int(settings.max_batch_size)
-    largest_batch = AUTO_BATCH_CAP if auto_batch else batch_size
-    largest_queue = settings.max_queue_depth or largest_batch * workers * QUEUED_BATCHES_PER_WORKER
+    largest = [AUTO_BATCH_CAP if size == "auto" else size for size in batch_sizes or [settings.max_batch_size]]
+    largest_queue = settings.max_queue_depth or sum(largest) * workers * QUEUED_BATCHES_PER_WORKER
     # A front end may hold every admitted request, and as many again given up on whose workers still have them.
     slots_per_front_end = 2 * largest_queue
     # On a CPU the slots live in the same RAM as the batches: room for every admitted image at its largest.
@@ -118,8 +125,7 @@ def plan_pod(settings: ServerSettings, machine: Machine) -> PodPlan:
         front_ends=front_ends,
         codec_threads_per_front_end=max(1, machine.cpus // front_ends),
         torch_threads=_torch_threads(settings, machine, workers),
-        batch_size=batch_size,
-        largest_batch=largest_batch,
+        largest_queue=largest_queue,
         slots_per_front_end=slots_per_front_end,
         reserved_slot_bytes=reserved,
         passive_openmp=not cuda,
@@ -227,3 +233,99 @@ def shm_bytes() -> int:
 def read_machine(device_type: str, devices: int, free_memory_bytes: int, gpu_probe: GpuProbe | None) -> Machine:
     """This machine's facts; the device side comes from the caller (it needs torch, and a probe needs the model)."""
     return Machine(usable_cpus(), device_type, devices, free_memory_bytes, shm_bytes(), gpu_probe)
+
+
+@dataclass(frozen=True)
+class Measured:
+    """What a worker measured of a model on its example request: bytes per element of its items at the batch's peak,
+    and the elements of one example item."""
+
+    bytes_per_element: float
+    example_elements: int
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the main process gave a model on its device: its batch size, the elements a chunk may hold and the batch
+    memory of each worker they come from."""
+
+    batch_size: int
+    element_budget: int
+    budget_bytes: int
+
+
+@dataclass(frozen=True)
+class ModelNeed:
+    """What a model needs of its device: its weights there (once when the workers share them, once per worker when
+    not), what its workers measured (None: nothing to measure, its batches are bounded by their size alone), and
+    its batch size (or auto)."""
+
+    name: str
+    weight_bytes: int
+    measured: Measured | None
+    batch_size: int | Literal["auto"]
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """A device's memory as the models must share it: `fraction` of what was free before any weights, its workers,
+    each worker process's own memory (the interpreter and libraries; on a GPU its CUDA context), and what the request
+    slots keep (a CPU's RAM holds them too)."""
+
+    device: str
+    free_bytes: int
+    fraction: float
+    workers: int
+    overhead_bytes: int
+    reserved_bytes: int = 0
+
+    @property
+    def budget_bytes(self) -> int:
+        return int(self.fraction * self.free_bytes)
+
+
+def fit_models(memory: DeviceMemory, needs: Sequence[ModelNeed]) -> dict[str, Limits]:
+    """Each model's batch limits on the device, or MemoryRefusal (one line with the numbers) when the models do not
+    fit together. A worker runs one batch at a time, whatever its model: what remains of the budget after the weights,
+    the worker processes and the slots' room is each worker's batch memory, and every model's chunks may use all of
+    it. max_batch_size auto is the largest batch of example items that fits."""
+    weights = sum(need.weight_bytes for need in needs)
+    after = memory.budget_bytes - weights - memory.workers * memory.overhead_bytes
+    per_worker = (after - min(memory.reserved_bytes, max(after, 0) // 2)) // max(memory.workers, 1)
+    limits: dict[str, Limits] = {}
+    too_big = []
+    for need in needs:
+        if need.measured is None:
+            limits[need.name] = Limits(need.batch_size if isinstance(need.batch_size, int) else 1, 0, 0)
+            continue
+        element_budget = max(int(per_worker / need.measured.bytes_per_element), 0)
+        whole = element_budget // max(need.measured.example_elements, 1)
+        size = min(whole, AUTO_BATCH_CAP) if need.batch_size == "auto" else need.batch_size
+        if size < 1 or whole < size:
+            too_big.append(need)
+        limits[need.name] = Limits(max(size, 1), max(element_budget, 1), max(per_worker, 0))
+    if too_big or per_worker <= 0:
+        raise MemoryRefusal(_refusal(memory, needs, too_big, per_worker))
+    return limits
+
+
+class MemoryRefusal(Exception):
+    """The models do not fit their device's memory together; the message gives the numbers."""
+
+
+def _refusal(memory: DeviceMemory, needs: Sequence[ModelNeed], too_big: list[ModelNeed], per_worker: int) -> str:
+    def mib(value: float) -> str:
+        return f"{value / 2**20:.0f} MiB"
+
+    described = []
+    for need in needs:
+        batch = 1 if need.batch_size == "auto" else need.batch_size
+        batch_bytes = need.measured.bytes_per_element * need.measured.example_elements * batch if need.measured else 0
+        described.append(f"{need.name} {mib(need.weight_bytes)} weights + {mib(batch_bytes)} per batch of {batch}")
+    what = f"{', '.join(n.name for n in too_big)} do(es) not fit" if too_big else "the models do not fit"
+    return (
+        f"{what} on {memory.device}: {'; '.join(described)}; {memory.workers} worker(s) x "
+        f"{mib(memory.overhead_bytes)} each, {mib(memory.reserved_bytes)} kept for request slots; the device's "
+        f"budget is {mib(memory.budget_bytes)} ({memory.fraction:g} of {mib(memory.free_bytes)} free), which leaves "
+        f"{mib(max(per_worker, 0))} of batch memory per worker"
+    )

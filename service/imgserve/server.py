@@ -1,32 +1,36 @@
 """The composition root: reads the machine, plans the pod (pod.py), builds what the plan says and runs it.
 
 The main process binds the port, spawns the inference workers, forks the HTTP front ends onto the port and
-supervises them all (supervisor/), with nothing between them but the hand-off's sockets and shared memory. Imported
-by nothing but the command that runs it, and only after `PROMETHEUS_MULTIPROC_DIR` is set.
+supervises them all (supervisor/), with nothing between them but the hand-off's sockets, pipes and shared memory.
+Imported by nothing but the command that runs it, and only after `PROMETHEUS_MULTIPROC_DIR` is set.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import multiprocessing as mp
 import os
 import pickle
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 import litserve as ls
+import msgpack
 import torch
 
 from imgserve import metrics
 from imgserve.api import ImageAPI
-from imgserve.config import Access, Batching, Logging, Settings
+from imgserve.config import Access, Logging, Settings
 from imgserve.frontend import process as front_end_process
 from imgserve.frontend import telemetry
 from imgserve.frontend.admission import Admission
-from imgserve.frontend.app import FrontEnd, Served
+from imgserve.frontend.app import FrontEnd
 from imgserve.frontend.auth import KeyProblem, Keys
 from imgserve.frontend.connections import GuardedHttpToolsProtocol
 from imgserve.frontend.inference import CodecThreads, Inference
@@ -35,39 +39,36 @@ from imgserve.handoff.directory import ServerDirectory
 from imgserve.handoff.dispatch import Dispatcher
 from imgserve.handoff.requests import RequestSocket
 from imgserve.handoff.state import SharedState
-from imgserve.litapi import LitServeAPI
 from imgserve.models import outputs
 from imgserve.models.builtin import LocalKinds, ModelAPI, pads
 from imgserve.models.loader import ModelLoadError, check_model_source
-from imgserve.models.shared import SharedWeights
-from imgserve.pod import PodPlan, available_ram, plan_pod, read_machine
-from imgserve.startup import StartupError, load_api, load_weights, probe_gpu, resolve_device
+from imgserve.pod import DeviceMemory, PodPlan, available_ram, plan_pod, read_machine
+from imgserve.repository import Chosen, batching_of, catalog_of, chosen_models
+from imgserve.served import Catalog
+from imgserve.startup import StartupError, load_weights, probe_gpu, resolve_device
 from imgserve.supervisor.children import Children
 from imgserve.supervisor.lifecycle import Lifecycle
+from imgserve.supervisor.models import ModelControl
 from imgserve.version import __version__
 from imgserve.worker import process as worker_process
 from imgserve.worker.serving import WorkerPlan
 
 log = logging.getLogger(__name__)
 BACKLOG = 2048  # connections the kernel queues for the front ends to accept (uvicorn's default)
+WORKER_OVERHEAD_GUESS = {"cpu": 256 << 20, "cuda": 512 << 20}  # until the workers say (a CUDA context on a GPU)
 
 
-def serve(settings: Settings, directory: ServerDirectory, api: ls.LitAPI | None = None) -> int:
-    """Serve `api` (else --api's, else the built-in API over --model) until SIGTERM/SIGINT, in the server's private
-    `directory` (its caller removes it). The exit code is 0 after a clean drain, 1 if children kept dying, 2 when
-    what the user named cannot be served (one line says why)."""
+def serve(settings: Settings, directory: ServerDirectory, apis: Sequence[ls.LitAPI] = ()) -> int:
+    """Serve `apis` and what the settings name (--api, --model, --model-repository; the built-in API over --model
+    when nothing else is named) until SIGTERM/SIGINT, in the server's private `directory` (its caller removes it).
+    The exit code is 0 after a clean drain, 1 if children kept dying, 2 when what the user named cannot be served
+    (one line says why)."""
     settings.configure_logging()
     try:
-        user_api = api or (load_api(settings.api) if settings.api else None)
-        if user_api is None:
-            check_model_source(settings.model, settings.model_factory)
-            outputs.read_labels(settings.labels)
-        elif given := settings.model_settings_given():
-            flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
-            raise StartupError(f"{flags}: the built-in model's settings do not apply to an API of your own")
+        chosen = _checked(settings, chosen_models(settings, list(apis)))
         keys = Keys.load(settings.part(Access), directory.root / "api-keys")  # a key source without a key: none
-        serves_grpc = settings.grpc_port and not (user_api is not None and not isinstance(user_api, ImageAPI))
-        if serves_grpc and not port_free(settings.host, settings.grpc_port):
+        with_v2 = any(one.api is None or isinstance(one.api, ImageAPI) for one in chosen)
+        if settings.grpc_port and with_v2 and not port_free(settings.host, settings.grpc_port):
             raise StartupError(
                 f"--grpc-port {settings.grpc_port} is already in use on {settings.host} (0 turns gRPC off)"
             )
@@ -77,11 +78,24 @@ def serve(settings: Settings, directory: ServerDirectory, api: ls.LitAPI | None 
         return 2
     with listening:
         try:
-            pod = build(settings, directory, user_api)
+            pod = build(settings, directory, chosen)
             return processes(pod, directory, keys).run(pod, listening)
         except ModelLoadError as exc:
             log.error("imgserve: %s", exc)
             return 2
+
+
+def _checked(settings: Settings, chosen: list[Chosen]) -> list[Chosen]:
+    """The built-in model's settings describe built-in models: with none served they are a mistake. Each built-in
+    model's file and labels are checked before any process starts."""
+    builtin = [one.builtin for one in chosen if one.builtin is not None]
+    if not builtin and (given := settings.model_settings_given()):
+        flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
+        raise StartupError(f"{flags}: the built-in model's settings do not apply to an API of your own")
+    for model in builtin:
+        check_model_source(model.model[0], model.model_factory)
+        outputs.read_labels(model.labels)
+    return chosen
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -111,44 +125,67 @@ def port_free(host: str, port: int) -> bool:
 
 @dataclass
 class Pod:
-    """What the plan built: the served API and the facts /info shows of it."""
+    """What the plan built: the served models, their control, and the facts /info shows of them."""
 
     settings: Settings
-    served: Served
+    catalog: Catalog
     plan: PodPlan
-    weights: SharedWeights
     state: SharedState
+    control: ModelControl
 
-    def queue_limit(self) -> int:
-        """The admission bound, from the batch size the workers settled on at warm-up (max_batch_size auto)."""
-        return self.plan.queue_bound(self.state.limits["max_batch_size"] or self.plan.batch_size)
+    def bounds(self, model: int) -> tuple[int, int]:
+        """The pod's queue bound and `model`'s, at the batch sizes the loaded models settled on."""
+        sizes = [self.batch_size(index) for index in range(len(self.catalog)) if self.state.models.ready(index)]
+        return self.plan.queue_bound(sizes or [1]), self.plan.model_queue_bound(self.batch_size(model))
+
+    def batch_size(self, model: int) -> int:
+        limits = self.state.models.limits(model)
+        configured = self.catalog[model].batching.max_batch_size
+        return limits.batch_size if limits else configured if isinstance(configured, int) else 1
 
     def describe(self) -> dict[str, Any]:
-        """What GET /info answers."""
-        limits, plan, settings, batching = self.state.limits, self.plan, self.settings, self.served.batching
+        """What GET /info answers: the pod, and each model's part of it (the first model's at the top as well)."""
+        plan, settings, models = self.plan, self.settings, [self.describe_model(model) for model in self.catalog]
+        first = models[0]
         return {
-            "model": self.served.api.describe(),
+            "model": first["model"],
             "device": plan.devices[0],
             "devices": plan.devices,
-            "precision": self.served.api.precision,
+            "precision": first["precision"],
             "workers": plan.workers,
             "workers_per_device": plan.workers_per_device,
             "workers_per_device_why": plan.workers_per_device_why,
             "api_servers": plan.front_ends,
             "torch_threads_per_worker": plan.torch_threads.alone,
             "torch_threads_per_worker_under_load": plan.torch_threads.busy,
-            "weights": self.weights.describe(),
-            "max_batch_size": limits["max_batch_size"] or batching.max_batch_size,
-            "batch_memory_budget_bytes_per_worker": limits["budget_bytes"],
-            "batch_element_budget": limits["element_budget"],
-            "batch_timeout_ms": batching.batch_timeout_ms,
-            "max_queue_depth": self.queue_limit(),
+            **{key: first[key] for key in ("weights", "max_batch_size", "batch_timeout_ms", "task")},
+            "batch_memory_budget_bytes_per_worker": first["batch_memory_budget_bytes_per_worker"],
+            "batch_element_budget": first["batch_element_budget"],
+            "max_queue_depth": self.bounds(0)[0],
             "request_timeout_s": settings.request_timeout_s,
             "max_body_bytes": settings.max_body_bytes,
             "max_image_pixels": settings.max_image_pixels,
-            "task": self.state.task,  # the output kind the workers decided at warm-up
+            "models": models,
             "plan": plan.describe(),
             "version": __version__,
+        }
+
+    def describe_model(self, served: Any) -> dict[str, Any]:
+        index, states = served.index, self.state.models
+        limits, weights = states.limits(index), self.control.weights.get(index)
+        return {
+            "name": served.name,
+            "model": served.api.describe(),
+            "path": served.paths[0],
+            "state": ("UNAVAILABLE", "LOADING", "READY", "UNLOADING")[states.state(index)],
+            "precision": served.api.precision,
+            "weights": None if weights is None else weights.describe(),
+            "max_batch_size": self.batch_size(index) if limits else served.batching.max_batch_size,
+            "batch_timeout_ms": served.batching.batch_timeout_ms,
+            "batch_memory_budget_bytes_per_worker": limits.budget_bytes if limits else None,
+            "batch_element_budget": limits.element_budget if limits else None,
+            "max_queue_depth": self.bounds(index)[1],
+            "task": states.task(index),
         }
 
 
@@ -161,7 +198,7 @@ class Processes:
 
     def run(self, pod: Pod, listening: socket.socket) -> int:
         """Start the children on `listening`, supervise them until the server stops; the exit code."""
-        settings, plan = pod.settings, pod.plan
+        settings, plan, control = pod.settings, pod.plan, pod.control
         options = {
             "host": settings.host,
             "port": settings.port,
@@ -169,6 +206,8 @@ class Processes:
             "access_log": settings.access_log,
             "http": GuardedHttpToolsProtocol.configured(settings, self.front_end.inference.admission),
         }
+        pipes: dict[int, Connection] = {}  # each worker's control pipe, the main process's end
+        control.send = lambda command: _send(pipes, command)
         # A forked child shares the main process's Python objects until either writes to their pages, and a full
         # garbage collection writes to every one: the garbage is collected once, before the first fork, and the
         # collector leaves the rest alone.
@@ -180,15 +219,30 @@ class Processes:
             return _started(mp.get_context("fork").Process(target=front_end_process.run, args=args))
 
         def start_worker(index: int) -> BaseProcess:
-            args = (self.worker, index, plan.devices[index // plan.workers_per_device])
+            reader, pipes[index] = mp.get_context("spawn").Pipe(duplex=False)
+            held = {model: weights for model, weights in control.weights.items() if pod.state.models.wanted(model)}
+            spec = dataclasses.replace(self.worker, weights=held)
+            args = (spec, index, plan.devices[index // plan.workers_per_device], reader)
             try:
                 return _started(mp.get_context("spawn").Process(target=worker_process.run, args=args))
             except (AttributeError, TypeError, pickle.PicklingError) as exc:  # what spawn cannot send to a worker
                 reason = f"cannot start an inference worker with the API: {type(exc).__name__}: {exc}"
                 raise StartupError(reason) from None
+            finally:
+                reader.close()
 
         children = Children(start_worker, start_front_end, plan.workers, plan.front_ends)
-        return Lifecycle(children, pod.state, settings.drain_timeout_s).run()
+        return Lifecycle(children, pod.state, settings.drain_timeout_s, control).run()
+
+
+def _send(pipes: dict[int, Connection], command: dict[str, Any]) -> None:
+    """A command to every worker, as msgpack (a worker that died meanwhile is replaced with what is loaded)."""
+    data = msgpack.packb(command)
+    for pipe in pipes.values():
+        try:
+            pipe.send_bytes(data)
+        except OSError:
+            continue
 
 
 def _started(process: BaseProcess) -> BaseProcess:
@@ -197,87 +251,84 @@ def _started(process: BaseProcess) -> BaseProcess:
     return process
 
 
-def build(settings: Settings, directory: ServerDirectory, user_api: ls.LitAPI | None) -> Pod:
-    """Load the weights once, plan the pod on this machine and build it around `user_api` (None: the built-in API)."""
-    settings = with_batching(settings, user_api)
+def build(settings: Settings, directory: ServerDirectory, chosen: list[Chosen]) -> Pod:
+    """Plan the pod on this machine for the chosen models, and load the weights of those loaded at start once."""
     device_type = resolve_device(settings.device)
     devices = torch.cuda.device_count() if device_type == "cuda" else 1
-    api = user_api if isinstance(user_api, ImageAPI) or user_api is None else _adapted(user_api, settings)
-    source = (settings.model, settings.model_factory) if api is None else (api.model, api.model_factory)
-    weights = load_weights(*source, settings, device_type, devices, directory.weights)
+    batching = [batching_of(one, settings) for one in chosen]
     cuda = device_type == "cuda"
+    free = min(torch.cuda.mem_get_info(i)[0] for i in range(devices)) if cuda else available_ram()
     probe = None
-    if cuda and settings.workers_per_device == "auto" and not isinstance(api, LitServeAPI):
-        probe = probe_gpu(api or ModelAPI(settings, LocalKinds(), pad=True), settings, weights)
-    free = torch.cuda.mem_get_info(0)[0] if cuda else available_ram()
-    plan = plan_pod(settings, read_machine(device_type, devices, free, probe))
+    if cuda and settings.workers_per_device == "auto":
+        probe = _probe(settings, chosen[0], device_type, directory)
+    plan = plan_pod(settings, read_machine(device_type, devices, free, probe), [b.max_batch_size for b in batching])
     for warning in plan.warnings:
         log.warning("%s", warning)
     if plan.passive_openmp:  # workers spawned from now on: OpenMP threads sleep when they wait instead of spinning
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    state = SharedState(plan.workers, plan.slots_per_front_end * plan.front_ends, plan.front_ends)
-    api = api or ModelAPI(settings, state, pads(settings, device_type), settings.retry_after_s)
-    served = Served(api, settings.model_name or api.name or type(api).__name__, settings.part(Batching))
-    return Pod(settings, served, plan, weights, state)
+    state = SharedState(plan.workers, plan.slots_per_front_end * plan.front_ends, plan.front_ends, len(chosen))
+    catalog = catalog_of(chosen, batching, state.models.kinds, device_type, settings.retry_after_s)
+    memory = DeviceMemory(
+        "cpu" if not cuda else "each GPU",
+        free,
+        settings.gpu_memory_fraction,
+        plan.workers_per_device,
+        WORKER_OVERHEAD_GUESS[device_type],
+        plan.reserved_slot_bytes,
+    )
+
+    def prepare(model: int) -> Any:
+        api, name = catalog[model].api, catalog[model].name
+        return load_weights(api.model, api.model_factory, settings, device_type, devices, directory.weights / name)
+
+    control = ModelControl(catalog, state, memory, prepare)
+    control.start_with(_loaded_at_start(settings, catalog))
+    return Pod(settings, catalog, plan, state, control)
+
+
+def _loaded_at_start(settings: Settings, catalog: Catalog) -> list[int]:
+    """Every model, unless --model-control explicit: then those --load-model names (* for all)."""
+    if settings.model_control != "explicit":
+        return list(range(len(catalog)))
+    names = set(settings.load_model)
+    unknown = names - {"*", *catalog.names}
+    if unknown:
+        raise StartupError(f"--load-model {sorted(unknown)[0]}: no such model ({', '.join(catalog.names)})")
+    return [model.index for model in catalog if "*" in names or model.name in names]
+
+
+def _probe(settings: Settings, first: Chosen, device_type: str, directory: ServerDirectory) -> Any:
+    """One probe batch of the first model on the first GPU (workers_per_device auto)."""
+    if first.builtin is not None:
+        api: ImageAPI = ModelAPI(first.builtin, LocalKinds(), pads(first.builtin, device_type))
+    elif isinstance(first.api, ImageAPI):
+        api = first.api
+    else:
+        return None
+    weights = load_weights(api.model, api.model_factory, settings, device_type, 1, directory.weights / "probe")
+    return probe_gpu(api, settings, weights)
 
 
 def processes(pod: Pod, directory: ServerDirectory, keys: Keys) -> Processes:
     """The front end and the workers' start, as the plan says."""
-    settings, plan, state, served, weights = pod.settings, pod.plan, pod.state, pod.served, pod.weights
-    admission = Admission(state, settings, pod.queue_limit)
+    settings, plan, state, catalog = pod.settings, pod.plan, pod.state, pod.catalog
+    admission = Admission(state, catalog, settings.retry_after_s, pod.bounds)
     dispatcher = Dispatcher(state, directory.slots, plan.slots_per_front_end, settings.retry_after_s)
     inference = Inference(dispatcher, admission, CodecThreads(plan.codec_threads_per_front_end))
     requests, answers = RequestSocket(directory.root), AnswerSockets(directory.root, plan.front_ends)
-    copies = 1 if weights.shared else plan.workers_per_device
-    facts = telemetry.ModelFacts(
-        served.api.describe(), served.api.precision or "", plan.devices, copies * weights.nbytes, __version__
+    facts = telemetry.PodFacts(
+        [telemetry.ModelFacts(m.name, m.api.describe(), m.api.precision or "") for m in catalog],
+        plan.devices,
+        __version__,
     )
     collector = telemetry.PodCollector(state, directory.slots, facts)
-    metrics.preregister()
+    metrics.preregister(catalog.names)
     front_end = FrontEnd(
-        served, settings, state, keys, inference, (requests, answers), lambda: telemetry.exposition(collector),
+        catalog, settings, state, keys, inference, (requests, answers), lambda: telemetry.exposition(collector),
         pod.describe,
     )  # fmt: skip
-    worker_plan = WorkerPlan(
-        directory.slots,
-        weights,
-        plan.batch_size,
-        served.batching.batch_timeout_ms / 1000,
-        served.batching.max_batch_size == "auto",
-        plan.torch_threads,
-        plan.workers_per_device,
-        plan.reserved_slot_bytes,
-        settings.gpu_memory_fraction,
-        settings.trust_pickle,
-    )
+    worker_plan = WorkerPlan(directory.slots, plan.torch_threads, settings.trust_pickle)
     worker = worker_process.WorkerSpec(
-        served.api, worker_plan, state, requests, answers, settings.part(Logging), os.getpid()
+        catalog, worker_plan, state, requests, answers, settings.part(Logging), os.getpid(), {}
     )
     return Processes(front_end, worker)
-
-
-def _adapted(api: ls.LitAPI, settings: Settings) -> LitServeAPI:
-    """A plain LitAPI, carried by the ImageAPI core at the batch size and timeout it is served with."""
-    size = settings.max_batch_size if isinstance(settings.max_batch_size, int) else api.max_batch_size
-    return LitServeAPI(api, size, settings.batch_timeout_ms / 1000)
-
-
-def with_batching(settings: Settings, api: ls.LitAPI | None) -> Settings:
-    """The settings with the batch size and timeout the workers use: a flag or IMGSERVE_ variable set explicitly wins,
-    then what the API asked for, then the settings' defaults. A plain LitAPI asks for what its attributes say, as
-    LitServe runs it, and has nothing to measure `auto` on."""
-    if api is None:
-        return settings
-    if isinstance(api, ImageAPI):
-        size, timeout_s = api.batching
-    else:
-        size, timeout_s = api.max_batch_size, api.batch_timeout
-    explicit = settings.model_fields_set
-    update: dict[str, Any] = {}
-    if "max_batch_size" not in explicit and size is not None:
-        update["max_batch_size"] = size
-    if "batch_timeout_ms" not in explicit and timeout_s is not None:
-        update["batch_timeout_ms"] = 1000 * timeout_s
-    if not isinstance(api, ImageAPI) and update.get("max_batch_size", settings.max_batch_size) == "auto":
-        update["max_batch_size"] = api.max_batch_size
-    return settings.model_copy(update=update)

@@ -94,7 +94,7 @@ def probe_gpu(api: ImageAPI, settings: Settings, weights: SharedWeights) -> GpuP
     count = settings.max_batch_size if isinstance(settings.max_batch_size, int) else PROBE_BATCH
     runner = BatchRunner(api, device)
     try:
-        runner.measure(item, settings.gpu_memory_fraction)  # the warm-up
+        runner.measure(item)  # the warm-up
         count, cpu_s, device_s = time_batch(runner, [item] * count)
     except torch.OutOfMemoryError:
         raise StartupError("the model runs out of GPU memory on one example request") from None

@@ -188,7 +188,7 @@ class InProcess:
         self.api.setup(str(self.device))
         example = self.api.example_request()
         if measure and example is not None:
-            self.runner.measure(self.api.decode_request(example), memory_fraction=0.8)
+            self.runner.measure(self.api.decode_request(example))
         return self
 
     def predict(self, items: list[Any]) -> list[Any]:

@@ -111,7 +111,7 @@ def queued(files: SlotFiles, state: SharedState, slot: int, ticket: int, item: A
     state.set_owner(slot, ticket)
     placed = items.place(item, lambda array, offset: files.write(slot, array, offset), inline_bytes=1024)
     now = time.monotonic()
-    return wire.RequestMessage(0, f"uid-{ticket}", slot, ticket, now, now + 30, placed)
+    return wire.RequestMessage(0, f"uid-{ticket}", slot, ticket, 0, now, now + 30, placed)
 
 
 @pytest.fixture

@@ -51,7 +51,7 @@ def admit(state: SharedState, count: int) -> None:
 
 def request(index: int, admitted: float) -> RequestMessage:
     """Request `index` as a front end queues it: in slot `index`, with ticket 100 + index."""
-    return RequestMessage(0, f"u{index}", index, 100 + index, admitted, admitted + 60, {"pixels": index})
+    return RequestMessage(0, f"u{index}", index, 100 + index, 0, admitted, admitted + 60, {"pixels": index})
 
 
 def put(requests: RequestSocket, message: RequestMessage) -> None:

@@ -211,7 +211,7 @@ def test_a_value_place_accepts_also_travels_or_place_says_where(slot: Slot, valu
     except TypeError as exc:
         assert str(exc).startswith("the value['a'][1] is"), str(exc)
         return
-    data = wire.pack_request(wire.RequestMessage(0, "uid", SLOT, 1, 1.0, 2.0, placed))
+    data = wire.pack_request(wire.RequestMessage(0, "uid", SLOT, 1, 0, 1.0, 2.0, placed))
     resolved = items.resolve(wire.unpack_request(data).item, slot.read)
     expected = value.float() if isinstance(value, torch.Tensor) else torch.as_tensor(value)
     assert resolved["a"][0] == 1 and torch.equal(torch.as_tensor(resolved["a"][1]), expected)
@@ -222,7 +222,7 @@ def test_a_placed_item_travels_in_a_request_message_and_resolves_in_the_worker(s
     original = {key: value for key, value in tree().items() if key != "zero_d"}  # see the zero-dimensional test
     placed = items.place(original, slot.write, inline_bytes=1024, inline_arrays=64)
     assert isinstance(placed["i8"], np.ndarray), "a small array goes inline, as the wire's ARRAY value"
-    data = wire.pack_request(wire.RequestMessage(0, "0.9", SLOT, 9, 1.0, 10.0, placed))
+    data = wire.pack_request(wire.RequestMessage(0, "0.9", SLOT, 9, 0, 1.0, 10.0, placed))
     assert len(data) < 4096, "the large data stayed in the slot"
     received = wire.unpack_request(data)
     assert (received.front_end, received.uid, received.queued, received.slot) == (0, "0.9", 1.0, SLOT)
@@ -260,7 +260,7 @@ def test_a_reference_past_what_the_slot_holds_is_an_error_not_garbage(slot: Slot
 
 def hostile(value: Any) -> bytes:
     """A request datagram whose item holds `value` (built by hand, not by `wire.pack_request`)."""
-    return msgpack.packb([0, "uid", 0, 1, 1.0, 2.0, {"x": [value]}])
+    return msgpack.packb([0, "uid", 0, 1, 0, 1.0, 2.0, {"x": [value]}])
 
 
 def ext(code: int, *fields: Any) -> msgpack.ExtType:
@@ -316,7 +316,7 @@ def test_seeded_mutations_of_a_request_with_references_stay_in_bounds() -> None:
     follow safely (offset and sizes bounded, at most MAX_DIMENSIONS, a dtype of numbers)."""
     rng = random.Random(31)
     placed = items.place(tree(), lambda array, offset: None, inline_bytes=1024, inline_arrays=64)
-    seed = wire.pack_request(wire.RequestMessage(0, "uid", 0, 1, 1.0, 2.0, placed))
+    seed = wire.pack_request(wire.RequestMessage(0, "uid", 0, 1, 0, 1.0, 2.0, placed))
     for _ in range(3000):
         data = bytearray(seed)
         for _ in range(rng.randrange(1, 4)):

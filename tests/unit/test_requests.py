@@ -24,7 +24,7 @@ SPAWN = mp.get_context("spawn")  # as the main process starts its inference work
 def request(uid: str, slot: int = 0) -> wire.RequestMessage:
     """A request message as a worker receives it."""
     item = {"image": InSlot(0, (8, 8, 3), "|u1"), "threshold": 0.5}
-    return wire.RequestMessage(0, uid, slot, 1, 1.0, 2.0, item)
+    return wire.RequestMessage(0, uid, slot, 1, 0, 1.0, 2.0, item)
 
 
 def packed(uid: str, slot: int = 0) -> bytes:
@@ -144,7 +144,7 @@ def test_a_datagram_that_is_not_a_request_is_dropped_and_the_next_request_taken(
     """Whatever lands on the socket (garbage, a request cut short by the receive size), `get` logs and drops it and
     returns the next real request."""
     requests = RequestSocket(tmp_path)
-    huge = wire.pack_request(wire.RequestMessage(0, "huge", 0, 1, 1.0, 2.0, "x" * 20_000))
+    huge = wire.pack_request(wire.RequestMessage(0, "huge", 0, 1, 0, 1.0, 2.0, "x" * 20_000))
     for data in (b"\x93garbage", huge, packed("real")):
         requests.put(data)
     with caplog.at_level("WARNING", logger="imgserve.handoff.requests"):

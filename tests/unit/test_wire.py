@@ -15,8 +15,8 @@ from imgserve.handoff import wire
 from imgserve.handoff.items import BytesInSlot, InSlot
 
 ITEM = {"image": InSlot(0, (512, 512, 3), "|u1"), "threshold": 0.5, "box": [1, 2, 3, 4], "name": "cat"}
-REQUEST = wire.RequestMessage(1, "3f2a-uid", 3, 17, 11.0, 42.0, ITEM)
-PLAIN = [1, "uid", 3, 17, 11.0, 42.0, {"threshold": 0.5}]  # a request plain msgpack can pack, to break by hand
+REQUEST = wire.RequestMessage(1, "3f2a-uid", 3, 17, 2, 11.0, 42.0, ITEM)
+PLAIN = [1, "uid", 3, 17, 2, 11.0, 42.0, {"threshold": 0.5}]  # a request plain msgpack can pack, to break by hand
 OUTPUTS = [
     InSlot(0, (512, 512, 3), "|u1"),
     {"mask": InSlot(786432, (512, 512), "|u1"), "png": BytesInSlot(1048576, 40000), "scores": [0.1, 0.9]},
@@ -51,14 +51,16 @@ def test_a_value_the_wire_does_not_carry_is_refused_when_sent() -> None:
     "data",
     [
         pickle.dumps(REQUEST),
-        msgpack.packb([*PLAIN[:6], {1: 2}]),  # keys are strings
+        msgpack.packb([*PLAIN[:7], {1: 2}]),  # keys are strings
         msgpack.packb(PLAIN[:3]),
-        msgpack.packb([*PLAIN[:4], float("nan"), *PLAIN[5:]]),
+        msgpack.packb([*PLAIN[:5], float("nan"), *PLAIN[6:]]),
         msgpack.packb([True, *PLAIN[1:]]),
-        msgpack.packb(PLAIN[:6]),  # no item
+        msgpack.packb(PLAIN[:7]),  # no item
         msgpack.packb([*PLAIN[:2], [1], *PLAIN[3:]]),
         msgpack.packb([*PLAIN[:2], -1, *PLAIN[3:]]),
-        msgpack.packb([*PLAIN[:5], "soon", PLAIN[6]]),
+        msgpack.packb([*PLAIN[:4], -1, *PLAIN[5:]]),  # no such model
+        msgpack.packb([*PLAIN[:4], 10**6, *PLAIN[5:]]),
+        msgpack.packb([*PLAIN[:6], "soon", PLAIN[7]]),
         b"",
     ],
 )

@@ -18,53 +18,82 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from imgserve.config import ServerSettings
 from imgserve.errors import ApiError
-from imgserve.frontend.telemetry import INFER_ROUTES, route
+from imgserve.frontend.telemetry import INFER_ROUTES, route, v2_model_name
+from imgserve.handoff.model_state import LOADING, READY
 from imgserve.handoff.state import SharedState
 from imgserve.metrics import REJECTED
+from imgserve.served import Catalog
 
 SHED_MESSAGES = {"draining": "the server is shutting down", "queue_full": "the queue is full"}
 SECONDS = re.compile(r"\d+(\.\d*)?|\.\d+")
 
 
 class Admission:
-    """The pod-wide decision whether a new request may come in at all (draining, queue full)."""
+    """Whether a request for a model may come in at all (draining, the model not loaded, the pod's queue or the
+    model's full), and its places in the queue. `bounds(model)` gives the pod's queue bound and the model's (pod.py's
+    rules, at the batch sizes the models settled on)."""
 
-    def __init__(self, state: SharedState, settings: ServerSettings, limit: Callable[[], int]) -> None:
-        self.state, self.settings, self.limit = state, settings, limit
-        self._rejected = {reason: REJECTED.labels(reason) for reason in SHED_MESSAGES}
+    def __init__(
+        self, state: SharedState, catalog: Catalog, retry_after_s: int, bounds: Callable[[int], tuple[int, int]]
+    ) -> None:
+        self.state, self.catalog, self.retry_after_s, self.bounds = state, catalog, retry_after_s, bounds
 
-    def shed_reason(self) -> str | None:
+    def model_of(self, path: str) -> int | None:
+        """The model an inference route's path is for (its own path, or the Open Inference Protocol's infer)."""
+        served = self.catalog.by_path.get(path)
+        if served is None and (name := v2_model_name(path)) is not None:
+            served = self.catalog.by_name.get(name)
+        return None if served is None else served.index
+
+    def shed_reason(self, model: int | None) -> str | None:
         """draining or queue_full (counted as rejected), or None when there is room; allocates nothing."""
         if self.state.draining:
             reason = "draining"
-        elif self.state.queue_depth >= self.limit():
+        elif model is not None and self._full(model, 1):
             reason = "queue_full"
         else:
             return None
-        self._rejected[reason].inc()
+        REJECTED.labels(reason, self.label(model)).inc()
         return reason
 
-    def refusal(self) -> ApiError | None:
-        """The 503 for shed_reason(), or None."""
-        reason = self.shed_reason()
-        return None if reason is None else ApiError(503, reason, SHED_MESSAGES[reason], self.settings.retry_after_s)
+    def refusal(self, model: int | None) -> ApiError | None:
+        """The 503 for shed_reason(model), or None."""
+        reason = self.shed_reason(model)
+        return None if reason is None else ApiError(503, reason, SHED_MESSAGES[reason], self.retry_after_s)
 
-    def admit(self, count: int = 1) -> None:
-        """Take `count` places in the pod's queue, all or none (release() gives them back), or raise 503 (draining,
-        queue_full; 413 when even an empty queue could not hold them)."""
-        refusal = self.refusal()
-        if refusal is not None:
-            raise refusal
-        limit = self.limit()
-        if count > limit:
-            raise ApiError(413, "too_many_images", f"{count} images are more than this server's queue holds ({limit})")
-        if not self.state.try_admit(limit, count):
-            self._rejected["queue_full"].inc()
-            message = f"{SHED_MESSAGES['queue_full']} ({limit} requests)"
-            raise ApiError(503, "queue_full", message, self.settings.retry_after_s)
+    def label(self, model: int | None) -> str:
+        """The model label of a request for `model` (None: a request for no model of this server)."""
+        return "" if model is None else self.catalog[model].name
 
-    def release(self, count: int = 1) -> None:
-        self.state.release(count)
+    def admit(self, count: int, model: int) -> None:
+        """Take `count` places in the pod's queue and the model's, all or none (release() gives them back), or raise:
+        503 draining, loading or queue_full; 404 for a model not loaded; 413 when even an empty queue could not hold
+        them."""
+        name = self.catalog[model].name
+        if self.state.draining:
+            REJECTED.labels("draining", name).inc()
+            raise ApiError(503, "draining", SHED_MESSAGES["draining"], self.retry_after_s)
+        self._check_loaded(model, name)
+        pod, own = self.bounds(model)
+        if count > own:
+            raise ApiError(413, "too_many_images", f"{count} images are more than this server's queue holds ({own})")
+        if not self.state.try_admit(pod, count, model, own):
+            REJECTED.labels("queue_full", name).inc()
+            raise ApiError(503, "queue_full", f"{SHED_MESSAGES['queue_full']} ({own} requests)", self.retry_after_s)
+
+    def release(self, count: int, model: int) -> None:
+        self.state.release(count, model)
+
+    def _full(self, model: int, count: int) -> bool:
+        pod, own = self.bounds(model)
+        return self.state.queue_depth + count > pod or self.state.model_queue_depth(model) + count > own
+
+    def _check_loaded(self, model: int, name: str) -> None:
+        state = self.state.models.state(model)
+        if state == LOADING:
+            raise ApiError(503, "model_loading", f"model {name!r} is loading", self.retry_after_s)
+        if state != READY:
+            raise ApiError(404, "model_unavailable", f"model {name!r} is not loaded")
 
 
 class AdmissionMiddleware:
@@ -78,13 +107,14 @@ class AdmissionMiddleware:
         if scope["type"] != "http" or route(scope["path"]) not in INFER_ROUTES:
             return await self.app(scope, receive, send)
         state = scope.setdefault("state", {})
+        model = self.admission.model_of(scope["path"])
         try:
             deadline = self._deadline(scope, state.get("first_byte", time.monotonic()))
             self._check_declared_size(scope)
-            refusal = self.admission.refusal()
+            refusal = self.admission.refusal(model)
             if refusal is not None:
                 raise refusal
-            body = await self._receive_body(receive, deadline)
+            body = await self._receive_body(receive, deadline, self.admission.label(model))
             if body is None:  # the client left, or the connection layer cut a too-slow upload
                 raise state.get("refusal") or ApiError(499, "client_disconnected", "the client left mid-upload")
         except ApiError as error:
@@ -92,10 +122,10 @@ class AdmissionMiddleware:
         state["deadline"] = deadline
         await self.app(scope, _replay(body, receive), send)
 
-    async def _receive_body(self, receive: Receive, deadline: float) -> bytes | None:
+    async def _receive_body(self, receive: Receive, deadline: float, model: str) -> bytes | None:
         """The whole body (None if the client disconnected), held to max_uploads, max_body_bytes and the deadline."""
         if self.uploads >= self.settings.max_uploads:
-            REJECTED.labels("too_many_uploads").inc()
+            REJECTED.labels("too_many_uploads", model).inc()
             raise ApiError(503, "too_many_uploads", "too many uploads in progress", self.settings.retry_after_s)
         self.uploads += 1
         try:
@@ -109,7 +139,7 @@ class AdmissionMiddleware:
                 if seen > self.settings.max_body_bytes:
                     raise _too_large(self.settings.max_body_bytes)
                 if more and time.monotonic() > deadline:
-                    REJECTED.labels("deadline").inc()
+                    REJECTED.labels("deadline", model).inc()
                     raise ApiError(504, "deadline", "the upload did not end before the request's deadline")
                 chunks.append(chunk)
             return b"".join(chunks)

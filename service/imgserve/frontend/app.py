@@ -1,25 +1,23 @@
-"""The HTTP front end's application: the served API's routes (its predict route, the Open Inference Protocol's, or a
-plain LitAPI's as LitServe registers it), health, info, metrics and docs, behind the middlewares that count every
-answer, check API keys and admit inference requests.
+"""The HTTP front end's application: each served model's routes (its predict route at its path, or a plain LitAPI's as
+LitServe registers it; the Open Inference Protocol's by its name), health, info, metrics and docs, behind the
+middlewares that count every answer, check API keys and admit inference requests.
 
-It is built once, in the main process, before the front ends are forked; each front-end process then starts it as
-front end `index` (its `lifespan`): its dispatcher (requests out, answers in, on its event loop), and in the first
-one the gRPC service.
+It is built once, in the main process, before the front ends are forked; each front-end process then starts it as front
+end `index` (its `lifespan`): its dispatcher (requests out, answers in, on its event loop), and in the first one the
+gRPC service.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI
 from starlette.routing import Route
 
 from imgserve import heap
-from imgserve.api import ImageAPI
-from imgserve.config import Access, Batching, RequestLimits, ServerSettings
+from imgserve.config import Access, RequestLimits, ServerSettings
 from imgserve.errors import install_handlers
 from imgserve.frontend import docs_page, openapi, telemetry
 from imgserve.frontend.admission import Admission, AdmissionMiddleware
@@ -29,20 +27,12 @@ from imgserve.frontend.litserve_route import LitServeRoute
 from imgserve.frontend.routes import Routes
 from imgserve.frontend.v2 import grpc_service
 from imgserve.frontend.v2.http import V2Routes
-from imgserve.frontend.v2.model import ServedModel
+from imgserve.frontend.v2.model import V2Models
 from imgserve.handoff.answers import AnswerSockets
 from imgserve.handoff.requests import RequestSocket
 from imgserve.handoff.state import SharedState
 from imgserve.litapi import LitServeAPI
-
-
-@dataclass
-class Served:
-    """The API a server serves, its name in the Open Inference Protocol and the batching it runs with."""
-
-    api: ImageAPI
-    name: str
-    batching: Batching
+from imgserve.served import Catalog
 
 
 class FrontEnd:
@@ -50,7 +40,7 @@ class FrontEnd:
 
     def __init__(
         self,
-        served: Served,
+        catalog: Catalog,
         settings: ServerSettings,
         state: SharedState,
         keys: Keys,
@@ -59,12 +49,13 @@ class FrontEnd:
         metrics_body: Callable[[], bytes],
         describe: Callable[[], dict[str, Any]],
     ) -> None:
-        self.served, self.settings, self.state, self.keys, self.inference = served, settings, state, keys, inference
+        self.catalog, self.settings, self.state, self.keys, self.inference = catalog, settings, state, keys, inference
         self.requests, self.answers = hand_off
-        self.grpc_servicer: grpc_service.Servicer | None = None
         self.index = 0  # which front end this process is: set in each forked process before it serves
         limits = settings.part(RequestLimits)
         self.routes = Routes(state, inference, metrics_body, describe, self.serves_grpc, limits.max_image_pixels)
+        self.models = V2Models(catalog, settings, state, inference, self.routes.not_ready_reason)
+        self.grpc_servicer = grpc_service.Servicer(self.models, settings, keys) if self.serves_grpc else None
         self.app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None, lifespan=self.lifespan)
         self._add_routes()
         self._add_middlewares(inference.admission)
@@ -72,22 +63,21 @@ class FrontEnd:
 
     @property
     def serves_grpc(self) -> bool:
-        """gRPC runs where the settings ask for it and the API has the Open Inference Protocol's routes."""
-        return bool(self.settings.grpc_port) and not isinstance(self.served.api, LitServeAPI)
+        """gRPC runs where the settings ask for it and a model has the Open Inference Protocol's routes."""
+        with_v2 = any(not isinstance(model.api, LitServeAPI) for model in self.catalog)
+        return bool(self.settings.grpc_port) and with_v2
 
     def _add_routes(self) -> None:
-        api, app, routes = self.served.api, self.app, self.app.router.routes
-        v2_name: str | None = None
-        if isinstance(api, LitServeAPI):
-            LitServeRoute(api, self.inference, self.settings.max_image_pixels).register(app)
-        else:
-            predict = self.routes.predict_with(api)
-            routes.extend(Route(path, predict, methods=["POST"]) for path in telemetry.PREDICT_PATHS)
-            v2_name = self.served.name
-            served, state, ready = self.served, self.state, self.routes.not_ready_reason
-            model = ServedModel(api, v2_name, served.batching, self.settings, state, self.inference, ready)
-            routes.extend(V2Routes(model, self.settings.max_body_bytes).routes())
-            self.grpc_servicer = grpc_service.Servicer(model, self.settings, self.keys)
+        app, routes = self.app, self.app.router.routes
+        for model in self.catalog:
+            for path in model.paths:
+                telemetry.serve_predictions_at(path)
+            if isinstance(model.api, LitServeAPI):
+                LitServeRoute(model, model.api, self.inference, self.settings.max_image_pixels).register(app)
+            else:
+                routes.extend(Route(path, self.routes.predict_with(model), methods=["POST"]) for path in model.paths)
+        if self.models.by_name:
+            routes.extend(V2Routes(self.models, self.settings.max_body_bytes).routes())
         for path, endpoint in (
             ("/health/live", self.routes.live),
             ("/health/ready", self.routes.ready),
@@ -97,14 +87,22 @@ class FrontEnd:
         ):
             routes.append(Route(path, endpoint, methods=["GET"]))
         if self.settings.docs:  # after every other route: the document describes them
-            described = openapi.document(self.settings.part(Access), api, v2_name, app.routes)
+            described = openapi.document(self.settings.part(Access), self.catalog, app.routes)
             routes.extend(docs_page.routes(described))
 
     def _add_middlewares(self, admission: Admission) -> None:
         """Outermost first: count every answer, check keys, then admit inference requests."""
         self.app.add_middleware(AdmissionMiddleware, admission=admission, settings=self.settings)
         self.app.add_middleware(ApiKeyMiddleware, access=self.settings.part(Access), keys=self.keys)
-        self.app.add_middleware(telemetry.MetricsMiddleware)
+        self.app.add_middleware(telemetry.MetricsMiddleware, model_of=self._model_label)
+
+    def _model_label(self, path: str) -> str:
+        """The model label of a request's path: the model whose route it is, or ""."""
+        model = self.catalog.by_path.get(path)
+        if model is not None:
+            return model.name
+        name = telemetry.v2_model_name(path)
+        return self.models.label(name) if name is not None else ""
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
@@ -113,7 +111,7 @@ class FrontEnd:
         heap.few_arenas()
         self.state.serve_as(self.index)
         self.inference.dispatcher.start(self.index, self.requests, self.answers.receiver(self.index))
-        if self.index != 0 or self.grpc_servicer is None or not self.serves_grpc:
+        if self.index != 0 or self.grpc_servicer is None:
             yield
             return
         grpc_server = await grpc_service.start(self.grpc_servicer, self.settings)

@@ -125,7 +125,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     settings: ClassVar[ServerSettings]
     admission: ClassVar[Admission]
     refusals: ClassVar[dict[str, tuple[ApiError, bytes]]]  # pre-built answers by name
-    shed_counts: ClassVar[dict[str, Any]]  # imgserve_requests_total{route, code="503"} of each inference route
+    shed_counts: ClassVar[dict[tuple[str, str], Any]]  # imgserve_requests_total{route, code="503", model}, as used
 
     @classmethod
     def configured(cls, settings: ServerSettings, admission: Admission) -> type[GuardedHttpToolsProtocol]:
@@ -147,7 +147,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         refusals |= {
             f"{key}+v2": (e, raw_response(e, "keep-alive" not in key, v2=True)) for key, (e, _) in refusals.items()
         }
-        shed_counts = {route: metrics.REQUESTS.labels(route, "503") for route in telemetry.INFER_ROUTES}
+        shed_counts: dict[tuple[str, str], Any] = {}
         attributes = {"settings": settings, "admission": admission, "refusals": refusals, "shed_counts": shed_counts}
         return type(cls.__name__, (cls,), attributes)
 
@@ -283,15 +283,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
 
     def _shed_here(self) -> bool:
         """Answer 503 now, without ASGI, if this is an inference request the pod cannot take."""
-        route = telemetry.route(self.url.partition(b"?")[0].decode("latin-1"))
-        if route not in self.shed_counts or self.parser.get_method() != b"POST":
+        path = self.url.partition(b"?")[0].decode("latin-1")
+        route = telemetry.route(path)
+        if route not in telemetry.INFER_ROUTES or self.parser.get_method() != b"POST":
             return False
         if self.cycle and not self.cycle.response_complete:  # pipelined: answers must keep their order
             return False
-        reason = self.admission.shed_reason()
+        model = self.admission.model_of(path)
+        reason = self.admission.shed_reason(model)
         if reason is None:
             return False
-        self.shed_counts[route].inc()
+        key = (route, self.admission.label(model))
+        if key not in self.shed_counts:
+            self.shed_counts[key] = metrics.REQUESTS.labels(route, "503", key[1])
+        self.shed_counts[key].inc()
         self._shed = True
         # Skip the body and keep the connection, unless the body is unbounded or will never come (Expect: 100).
         if not self.expect_100_continue and self._declared_length() <= self.settings.max_body_bytes:
@@ -358,7 +363,7 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
     def _refuse(self, answer: str, reason: str | None = None) -> None:
         """Answer with a pre-built error (unless this request's answer already started) and close."""
         if reason is not None:
-            metrics.REJECTED.labels(reason).inc()
+            metrics.REJECTED.labels(reason, "").inc()
         on_v2 = self._phase != _IDLE and (self.url == b"/v2" or self.url.startswith((b"/v2/", b"/v2?")))
         error, response = self.refusals[f"{answer}+v2" if on_v2 else answer]
         cycle = self.cycle if self._phase == _BODY and not self._shed else None

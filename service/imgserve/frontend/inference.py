@@ -19,12 +19,12 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 import anyio
-from prometheus_client import Histogram
 
 from imgserve import metrics
 from imgserve.errors import ApiError, fault, from_exception
 from imgserve.frontend.admission import Admission
 from imgserve.handoff.dispatch import Dispatcher, Slot
+from imgserve.served import ServedModel
 
 log = logging.getLogger(__name__)
 INLINE_CODEC_BYTES = 32 * 1024  # items carrying up to this many bytes are decoded and encoded on the event loop
@@ -48,17 +48,18 @@ class CodecThreads:
 
 
 class Steps(Generic[Call]):
-    """A protocol's way around the hand-off: `decode` one item into what travels to the worker, `encode` its answer,
-    and how many bytes an item carries (what decides where they run)."""
+    """A protocol's way around the hand-off to one model: `decode` one item into what travels to the worker, `encode`
+    its answer, and how many bytes an item carries (what decides where they run)."""
 
     def __init__(
         self,
+        model: ServedModel,
         decode: Callable[[Call], Any],
         encode: Callable[[Any, Call], Any],
         size: Callable[[Call], int],
         names: tuple[str, str] = ("decode_request", "encode_response"),
     ) -> None:
-        self.decode, self.encode, self.size, self.names = decode, encode, size, names
+        self.model, self.decode, self.encode, self.size, self.names = model, decode, encode, size, names
 
 
 class Inference:
@@ -71,10 +72,12 @@ class Inference:
         """Each item's encoded answer, in order; an ApiError for the first failure of any of them."""
         if not calls:
             raise ApiError(400, "no_images", "the request carries no item")
-        self.admission.admit(len(calls))  # or 503: draining, or a full queue
+        model = steps.model
+        self.admission.admit(len(calls), model.index)  # or 503: draining, or a full queue; 404 not loaded
         try:
             async with contextlib.AsyncExitStack() as stack:
-                slots = [await stack.enter_async_context(self.dispatcher.slot()) for _ in calls]
+                slot = self.dispatcher.slot
+                slots = [await stack.enter_async_context(slot(model.index, model.name)) for _ in calls]
                 inline = [steps.size(call) <= INLINE_CODEC_BYTES for call in calls]
                 # Large items decode on the codec threads; every decode ends before a slot is let go.
                 items = await _all(
@@ -87,7 +90,7 @@ class Inference:
                     for small, call, slot, answer in zip(inline, calls, slots, answers, strict=True)
                 ]
         finally:
-            self.admission.release(len(calls))
+            self.admission.release(len(calls), model.index)
 
     async def _call(self, inline: bool, function: Callable[..., T], *args: Any) -> T:
         """`function(*args)` on the event loop when `inline`, else on a codec thread."""
@@ -96,7 +99,7 @@ class Inference:
     @staticmethod
     def _decode_into(steps: Steps[Call], call: Call, slot: Slot) -> Any:
         """The item decoded, its arrays written into its slot; what remains travels in the message."""
-        item = _hook(steps.decode, steps.names[0], metrics.DECODE_DURATION, call)
+        item = _hook(steps.decode, steps.names[0], metrics.DECODE_DURATION.labels(steps.model.name), call)
         try:
             return slot.place(item)
         except TypeError as exc:
@@ -106,10 +109,11 @@ class Inference:
     @staticmethod
     def _encode(steps: Steps[Call], call: Call, slot: Slot, answer: Any) -> Any:
         """The worker's answer, read from the slot where it lies there, encoded."""
-        return _hook(steps.encode, steps.names[1], metrics.ENCODE_DURATION, slot.result(answer), call)
+        seconds = metrics.ENCODE_DURATION.labels(steps.model.name)
+        return _hook(steps.encode, steps.names[1], seconds, slot.result(answer), call)
 
 
-def _hook(step: Callable[..., T], name: str, seconds: Histogram, *args: Any) -> T:
+def _hook(step: Callable[..., T], name: str, seconds: Any, *args: Any) -> T:
     """A hook's answer, timed; its exception as the ApiError it answers with (an unexpected one: 500, with its
     traceback logged once)."""
     started = time.perf_counter()

@@ -19,27 +19,26 @@ from starlette.responses import JSONResponse, Response
 
 from imgserve.api import encoder, hook_signature
 from imgserve.errors import ApiError
-from imgserve.frontend import telemetry
 from imgserve.frontend.inference import Inference, Steps
 from imgserve.frontend.reading import call_size, read_request
 from imgserve.litapi import LitServeAPI
+from imgserve.served import ServedModel
 
 
 class LitServeRoute:
-    """POST `api.api_path` for the plain LitAPI that `api` serves."""
+    """POST `api.api_path` for the plain LitAPI that the model's API (a LitServeAPI) serves."""
 
-    def __init__(self, api: LitServeAPI, inference: Inference, max_image_pixels: int) -> None:
-        self.api, self.inference, self.max_image_pixels = api, inference, max_image_pixels
+    def __init__(self, model: ServedModel, api: LitServeAPI, inference: Inference, max_image_pixels: int) -> None:
+        self.model, self.api, self.inference, self.max_image_pixels = model, api, inference, max_image_pixels
         decode = hook_signature(api.lit.decode_request).parameters.get("request")
         self.request_type = decode.annotation if decode and decode.annotation is not decode.empty else Request
         returned = hook_signature(api.lit.encode_response).return_annotation
         self.response_type = Response if returned is inspect.Signature.empty else returned
-        self.steps = Steps(api.decode_request, encoder(api), call_size)
+        self.steps = Steps(model, api.decode_request, encoder(api), call_size)
 
     def register(self, app: FastAPI) -> None:
-        """Add the route to the app, typed as LitServe types it, and count it as a prediction route."""
+        """Add the route to the app, typed as LitServe types it."""
         path = self.api.api_path
-        telemetry.serve_predictions_at(path)
 
         async def endpoint(request: Any, call: Request | None = None) -> Any:
             return await self.answer(call or request)

@@ -24,13 +24,14 @@ from imgserve.api import ImageAPI
 from imgserve.config import Access
 from imgserve.errors import ApiError
 from imgserve.frontend.auth import guarded_routes
-from imgserve.frontend.telemetry import PREDICT_PATHS, route
+from imgserve.frontend.telemetry import route
 from imgserve.frontend.v2 import schemas as v2
 from imgserve.frontend.v2.http import HEADER_LENGTH
 from imgserve.frontend.v2.http import NOT_READY as V2_NOT_READY
 from imgserve.frontend.v2.model import VERSION
 from imgserve.litapi import LitServeAPI
 from imgserve.models.loader import ModelLoadError
+from imgserve.served import Catalog, ServedModel
 from imgserve.version import __version__
 
 TAGS = [
@@ -107,8 +108,7 @@ class Describer:
     """Each route this server serves as a FastAPI route that describes it: what it reads, what it answers (its
     errors in its protocol's envelope) and, where API keys guard it, the keys it takes."""
 
-    def __init__(self, access: Access, api: ImageAPI) -> None:
-        self.api = api
+    def __init__(self, access: Access) -> None:
         self.keys = access.api_key is not None or bool(access.api_key_file)
         self.guarded = guarded_routes(access)
 
@@ -151,53 +151,53 @@ class Describer:
         retry = {"headers": RETRY_AFTER} if status in (503, "default") else {}
         return {"model": body, "description": description, **retry}
 
-    def predict(self, app_routes: Sequence[BaseRoute]) -> list[APIRoute]:
-        """POST /predict and /v1/images:predict for an ImageAPI; a plain LitAPI's route, as FastAPI describes it."""
-        if isinstance(self.api, LitServeAPI):
-            return [self._litserve(found) for found in app_routes if isinstance(found, APIRoute)]
+    def predict(self, model: ServedModel, app_routes: Sequence[BaseRoute]) -> list[APIRoute]:
+        """POST at the paths of a model whose API is an ImageAPI; a plain LitAPI's route, as FastAPI describes it."""
+        api = model.api
+        if isinstance(api, LitServeAPI):
+            found = [route for route in app_routes if isinstance(route, APIRoute) and route.path == api.api_path]
+            return [self._litserve(api, route) for route in found]
         statuses = {**PREDICT_ERRORS, "default": HOOK_ERROR}
         return [
             self.route(
                 path,
                 "POST",
+                f"predict_{model.name}",
                 "predict",
-                "predict",
-                self._predict_parameters(),
+                self._predict_parameters(api),
                 IMAGE_BODY,
-                summary="Run the model on one image",
-                description=self._predict_text(),
-                responses={200: self._predict_answer(), **self.errors(path, statuses)},
+                summary=f"Run {model.name} on one image",
+                description=self._predict_text(api),
+                responses={200: self._predict_answer(api), **self.errors(path, statuses)},
             )
-            for path in PREDICT_PATHS
+            for path in model.paths
         ]
 
-    def _predict_parameters(self) -> list[inspect.Parameter]:
+    def _predict_parameters(self, api: ImageAPI) -> list[inspect.Parameter]:
         """The multipart `file`, the fields the API reads (its `request_model`, from the query string or the form)
         and the deadline."""
         upload = "The image; or send it as the whole body, with an image/* Content-Type"
         found = [_param("file", Annotated[UploadFile, File(description=upload)])]
-        if (fields := request_model(self.api)) is not None:
+        if (fields := request_model(api)) is not None:
             found += [_param("fields", Annotated[fields, Form()]), _param("query", Annotated[fields, Query()])]
         timeout = "This request's deadline in seconds (default request_timeout_s, at most max_request_timeout_s)"
         header = Header(alias="X-Request-Timeout", description=timeout)
         return [*found, _param("timeout", Annotated[float | None, header], None)]
 
-    def _predict_text(self) -> str:
+    def _predict_text(self, api: ImageAPI) -> str:
         """The API's docstring, else what its encode_response answers; and where its fields go."""
-        text = inspect.cleandoc(type(self.api).__doc__ or "").partition("\n\n")[0].replace("\n", " ")
-        text = text or f"What `{type(self.api).__qualname__}.encode_response` answers."
-        if request_model(self.api) is not None:
+        text = inspect.cleandoc(type(api).__doc__ or "").partition("\n\n")[0].replace("\n", " ")
+        text = text or f"What `{type(api).__qualname__}.encode_response` answers."
+        if request_model(api) is not None:
             text += " Its fields go in the query string, or with a multipart upload in the form."
         return text
 
-    def _predict_answer(self) -> dict[str, Any]:
+    def _predict_answer(self, api: ImageAPI) -> dict[str, Any]:
         """The media types the API says it answers with (`response_types`)."""
-        content = {
-            kind: {"schema": {} if kind == "application/json" else binary(kind)} for kind in self.api.response_types
-        }
+        content = {kind: {"schema": {} if kind == "application/json" else binary(kind)} for kind in api.response_types}
         return {"description": "The API's answer", "content": content}
 
-    def _litserve(self, found: APIRoute) -> APIRoute:
+    def _litserve(self, api: LitServeAPI, found: APIRoute) -> APIRoute:
         """A plain LitAPI's route as FastAPI describes it, with the answers imgserve adds around it."""
         answers = self.errors(found.path, LITSERVE_ERRORS, LitServeError)
         return APIRoute(
@@ -206,7 +206,7 @@ class Describer:
             methods=sorted(found.methods or ()),
             name=found.name,
             response_model=found.response_model,
-            summary=f"{type(self.api).__qualname__}: the API's predict route",
+            summary=f"{type(api.lit).__qualname__}: the API's predict route",
             **self._common(found.path, "predict", answers, None),
         )
 
@@ -235,8 +235,8 @@ class Describer:
             ),
         ]
 
-    def v2(self, name: str) -> list[APIRoute]:
-        """The Open Inference Protocol's routes for the model called `name`, with and without its version."""
+    def v2(self, models: Sequence[ServedModel]) -> list[APIRoute]:
+        """The Open Inference Protocol's routes for the `models`, with and without their version."""
         not_ready = {V2_NOT_READY: {"model": v2.Ready, "description": "Not ready: `error` says why"}}
         found = [
             self.route("/v2", "GET", "server_metadata", "v2", response_model=v2.ServerMetadata),
@@ -244,14 +244,15 @@ class Describer:
             self.route("/v2/health/ready", "GET", "server_ready", "v2", response_model=v2.Ready, responses=not_ready),
             self.route("/v2/models/stats", "GET", "statistics", "v2", response_model=v2.Statistics),
         ]
-        named = Path(description="The model's name", json_schema_extra={"enum": [name]})
+        named = Path(description="The model's name", json_schema_extra={"enum": [model.name for model in models]})
         model = _param("model", Annotated[str, named])
         version = _param("version", Annotated[str, Path(json_schema_extra={"enum": [VERSION]})])
-        found += self._v2_model("/v2/models/{model}", [model], "")
-        found += self._v2_model("/v2/models/{model}/versions/{version}", [model, version], "_version")
+        tensors = _tensors_text(models)
+        found += self._v2_model("/v2/models/{model}", [model], "", tensors)
+        found += self._v2_model("/v2/models/{model}/versions/{version}", [model, version], "_version", tensors)
         return found
 
-    def _v2_model(self, base: str, parameters: list[inspect.Parameter], suffix: str) -> list[APIRoute]:
+    def _v2_model(self, base: str, parameters: list[inspect.Parameter], suffix: str, tensors: str) -> list[APIRoute]:
         """A model's metadata, readiness, configuration and inference at `base`."""
         missing = self.errors(base, {404: V2_ERRORS[404]})
         not_ready = {V2_NOT_READY: {"model": v2.ModelReady, "description": "Not ready: `error` says why"}}
@@ -297,27 +298,31 @@ class Describer:
                 [*parameters, _param("request", v2.InferRequest), length],
                 raw,
                 summary="Run the model on a batch of tensors",
-                description=self._tensors_text(),
+                description=tensors,
                 response_model=v2.InferResponse,
                 responses={200: {"content": raw}, **self.errors(infer, V2_ERRORS)},
             ),
         ]
 
-    def _tensors_text(self) -> str:
-        """The model's tensors (the built-in API's outputs are known after its warm-up: GET /v2/models/{model})."""
 
-        def listed(specs: Sequence[Any]) -> str:
-            return ", ".join(f"`{spec.name}` {spec.datatype} {[-1, *spec.dims]}" for spec in specs)
+def _tensors_text(models: Sequence[ServedModel]) -> str:
+    """Each model's tensors (the built-in API's outputs are known after its warm-up: GET /v2/models/{model})."""
 
+    def listed(specs: Sequence[Any]) -> str:
+        return ", ".join(f"`{spec.name}` {spec.datatype} {[-1, *spec.dims]}" for spec in specs)
+
+    described = []
+    for model in models:
         try:
-            outputs = listed(self.api.outputs)
+            outputs = listed(model.api.outputs)
         except ApiError:
             outputs = "those of its output kind, decided as it starts (GET /v2/models/{model})"
-        return (
-            f"This model's inputs: {listed(self.api.inputs)}; its outputs: {outputs}. With `{HEADER_LENGTH}`, the "
-            "body is the JSON request followed by the bytes of the tensors it marks with `binary_data_size`; "
-            "outputs asked for with `binary_data` follow the JSON answer the same way."
-        )
+        described.append(f"`{model.name}` takes {listed(model.api.inputs)} and answers {outputs}")
+    return (
+        f"{'; '.join(described)}. With `{HEADER_LENGTH}`, the body is the JSON request followed by the bytes of the "
+        "tensors it marks with `binary_data_size`; outputs asked for with `binary_data` follow the JSON answer the "
+        "same way."
+    )
 
 
 def binary(media_type: str = "application/octet-stream") -> dict[str, str]:
@@ -337,22 +342,26 @@ def request_model(api: Any) -> type[BaseModel] | None:
     return found
 
 
-def document(access: Access, api: ImageAPI, v2_name: str | None, app_routes: Sequence[BaseRoute]) -> dict[str, Any]:
-    """The OpenAPI document of `api` as this server serves it: /predict (or a plain LitAPI's route, from
-    `app_routes`), health, /info, /metrics and, where `v2_name` names the model, the Open Inference Protocol's
-    routes. ModelLoadError when the API's declarations cannot be described."""
-    describer = Describer(access, api)
-    routes = [*describer.predict(app_routes), *describer.health()]
-    if v2_name is not None:
-        routes += describer.v2(v2_name)
-    text = inspect.cleandoc(type(api).__doc__ or "")
+def document(access: Access, catalog: Catalog, app_routes: Sequence[BaseRoute]) -> dict[str, Any]:
+    """The OpenAPI document of the `catalog`'s models as this server serves them: each model's predict route (a plain
+    LitAPI's from `app_routes`), health, /info, /metrics and the Open Inference Protocol's routes of the models that
+    have them. ModelLoadError when an API's declarations cannot be described."""
+    describer = Describer(access)
+    routes = [route for model in catalog for route in describer.predict(model, app_routes)] + describer.health()
+    v2_models = [model for model in catalog if not isinstance(model.api, LitServeAPI)]
+    if v2_models:
+        routes += describer.v2(v2_models)
+    if len(catalog) == 1:
+        title, text = catalog[0].api.describe(), inspect.cleandoc(type(catalog[0].api).__doc__ or "")
+    else:
+        title, text = f"{len(catalog)} models", "; ".join(f"{model.name}: {model.api.describe()}" for model in catalog)
     try:
         found = get_openapi(
-            title=f"imgserve: {api.describe()}",
+            title=f"imgserve: {title}",
             version=__version__,
             description=text or None,
             routes=routes,
-            tags=TAGS if v2_name is not None else TAGS[:2],
+            tags=TAGS if v2_models else TAGS[:2],
         )
     except Exception as exc:  # a request_model or response type pydantic cannot write a schema for
         raise ModelLoadError(f"cannot describe the API in /openapi.json ({exc}); --no-docs serves it without") from exc

@@ -10,13 +10,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from imgserve.api import ImageAPI, encoder
 from imgserve.api import Request as ApiRequest
+from imgserve.api import encoder
 from imgserve.errors import ApiError
 from imgserve.frontend.inference import Inference, Steps
 from imgserve.frontend.reading import call_size, read_request
 from imgserve.frontend.responding import http_response
+from imgserve.handoff.model_state import STATE_NAMES
 from imgserve.handoff.state import SharedState
+from imgserve.served import ServedModel
 
 
 class Routes:
@@ -34,11 +36,12 @@ class Routes:
         self.state, self.inference, self.metrics_body, self.describe = state, inference, metrics_body, describe
         self.serves_grpc, self.max_image_pixels = serves_grpc, max_image_pixels
 
-    def predict_with(self, api: ImageAPI) -> Callable[[Request], Awaitable[Response]]:
-        """POST /predict for `api`: the call read into a Request, decoded, run, encoded and answered."""
+    def predict_with(self, model: ServedModel) -> Callable[[Request], Awaitable[Response]]:
+        """POST at the model's path: the call read into a Request, decoded, run, encoded and answered."""
+        api = model.api
         encode = encoder(api)
         steps: Steps[ApiRequest] = Steps(
-            api.decode_request, lambda output, call: http_response(encode(output, call)), call_size
+            model, api.decode_request, lambda output, call: http_response(encode(output, call)), call_size
         )
 
         async def predict(request: Request) -> Response:
@@ -51,9 +54,9 @@ class Routes:
 
         return predict
 
-    def not_ready_reason(self) -> str | None:
-        """Why the model cannot take requests now (draining, a worker restarting, loading, the gRPC service not yet
-        listening), or None when ready."""
+    def not_ready_reason(self, model: int | None = None) -> str | None:
+        """Why the server (or `model`) cannot take requests now (draining, a worker restarting, loading, the gRPC
+        service not yet listening, the model not loaded), or None when ready."""
         if self.state.draining:
             return "draining"
         if not self.state.all_workers_alive:
@@ -62,6 +65,8 @@ class Routes:
             return "model loading"
         if self.serves_grpc and not self.state.grpc_serving:  # the first front end has not started it yet
             return "gRPC starting"
+        if model is not None and not self.state.models.ready(model):
+            return STATE_NAMES[self.state.models.state(model)].lower()
         return None
 
     async def ready(self, request: Request) -> JSONResponse:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +27,7 @@ ROUTES = {*PREDICT_PATHS, *DOCS_PATHS, "/health", "/health/live", "/health/ready
 # version named in the path.
 V2_INFER, V2_STATS, V2_OTHER = "/v2/infer", "/v2/stats", "/v2"
 V2_INFER_PATH = re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/infer")
+V2_MODEL_PATH = re.compile(r"/v2/models/([^/]+)(/.*)?")
 V2_STATS_PATH = re.compile(r"/v2/models(/[^/]+(/versions/[^/]+)?)?/stats")
 GRPC_INFER, GRPC_OTHER = "grpc/ModelInfer", "grpc"
 INFER_ROUTES = {*PREDICT_PATHS, V2_INFER}
@@ -37,6 +38,12 @@ def serve_predictions_at(path: str) -> None:
     /predict is. Called in the main process, before the front ends are forked."""
     ROUTES.add(path)
     INFER_ROUTES.add(path)
+
+
+def v2_model_name(path: str) -> str | None:
+    """The model an Open Inference Protocol path names (/v2/models/{name}/...), if it names one."""
+    found = V2_MODEL_PATH.fullmatch(path)
+    return None if found is None or found.group(1) == "stats" else found.group(1)
 
 
 def route(path: str) -> str:
@@ -54,34 +61,47 @@ def route(path: str) -> str:
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What the pod serves, fixed at start: the model, its precision, its devices, the bytes its weights hold on each
-    device (once when the workers share them, once per worker when not) and the imgserve version."""
+    """What one model of the pod is, fixed at start: its name, what it serves (its file or API class), its
+    precision."""
 
-    model: str
+    name: str
+    source: str
     precision: str
+
+
+@dataclass(frozen=True)
+class PodFacts:
+    """What the pod serves, fixed at start: its models, its devices and the imgserve version."""
+
+    models: list[ModelFacts]
     devices: list[str]
-    weight_bytes_per_device: int
     version: str
 
 
 class PodCollector:
-    """Scrape-time gauges: queue depth from shared memory, model/build info and weight memory, GPU utilization and
-    memory (NVML)."""
+    """Scrape-time gauges: queue depth from shared memory, model/build info and weight memory of the models loaded,
+    GPU utilization and memory (NVML)."""
 
-    def __init__(self, state: SharedState, slot_directory: Path, facts: ModelFacts) -> None:
+    def __init__(self, state: SharedState, slot_directory: Path, facts: PodFacts) -> None:
         self.state, self.slot_directory, self.facts = state, slot_directory, facts
 
     def collect(self) -> Iterator[Metric]:
-        facts = self.facts
+        facts, models = self.facts, self.state.models
         depth = GaugeMetricFamily("imgserve_queue_depth", "Requests admitted and not yet answered (this pod)")
         depth.add_metric([], self.state.queue_depth)
-        info = GaugeMetricFamily("imgserve_model_info", "The model served", labels=["model", "precision", "device"])
-        info.add_metric([facts.model, facts.precision, facts.devices[0]], 1)
-        weights = GaugeMetricFamily(
-            "imgserve_model_weight_bytes", "Memory the weights hold on each device, all its workers", labels=["device"]
+        info = GaugeMetricFamily(
+            "imgserve_model_info", "A model loaded", labels=["model", "source", "precision", "device"]
         )
-        for device in facts.devices:
-            weights.add_metric([device], facts.weight_bytes_per_device)
+        weights = GaugeMetricFamily(
+            "imgserve_model_weight_bytes",
+            "Memory a model's weights hold on each device, all its workers",
+            labels=["device", "model"],
+        )
+        for index, model in enumerate(facts.models):
+            if models.ready(index):
+                info.add_metric([model.name, model.source, model.precision, facts.devices[0]], 1)
+                for device in facts.devices:
+                    weights.add_metric([device, model.name], models.weight_bytes(index))
         build = GaugeMetricFamily("imgserve_build_info", "The imgserve version", labels=["version"])
         build.add_metric([facts.version], 1)
         shm = GaugeMetricFamily("imgserve_shared_memory_bytes", "Memory held by the request slots in /dev/shm")
@@ -121,10 +141,10 @@ def exposition(pod: PodCollector) -> bytes:
 
 
 class MetricsMiddleware:
-    """Counts every HTTP answer by route and status code and times it."""
+    """Counts every HTTP answer by route, status code and model, and times it."""
 
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
+    def __init__(self, app: ASGIApp, model_of: Callable[[str], str]) -> None:
+        self.app, self.model_of = app, model_of
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -142,4 +162,4 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_and_record)
         finally:
-            count(label, status, time.perf_counter() - started)
+            count(label, status, time.perf_counter() - started, self.model_of(scope["path"]))

@@ -55,10 +55,11 @@ class _Pending:
 
 
 class Slot:
-    """One request's slot while its handler holds it: place the item, submit it, read the answer."""
+    """One request's slot while its handler holds it: place the item, submit it to its model, read the answer."""
 
-    def __init__(self, dispatcher: Dispatcher, index: int, ticket: int) -> None:
+    def __init__(self, dispatcher: Dispatcher, index: int, ticket: int, model: int, label: str) -> None:
         self.dispatcher, self.index, self.ticket = dispatcher, index, ticket
+        self.model, self.label = model, label  # the model's index (the catalog's) and name
         self.pending: _Pending | None = None
 
     def place(self, item: Any) -> Any:
@@ -110,15 +111,16 @@ class Dispatcher:
         self._sweeper = self._loop.create_task(self._sweep())
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[Slot]:
-        """A free slot for one request; freed on the way out, or left to its worker's answer if one may come."""
+    async def slot(self, model: int, label: str) -> AsyncIterator[Slot]:
+        """A free slot for one request of `model` (`label` its name); freed on the way out, or left to its worker's
+        answer if one may come."""
         if not self._free:
-            metrics.REJECTED.labels("queue_full").inc()
+            metrics.REJECTED.labels("queue_full", label).inc()
             raise ApiError(503, "queue_full", "every request slot of this front end is in use", self.retry_after_s)
         index = self._free.pop()  # last freed first: the slots in use stay few and warm
         self._freed_at.pop(index, None)
         metrics.SLOTS_IN_USE.inc()
-        slot = Slot(self, index, next(self._tickets))
+        slot = Slot(self, index, next(self._tickets), model, label)
         self.state.set_owner(index, slot.ticket)
         try:
             yield slot
@@ -130,7 +132,7 @@ class Dispatcher:
 
     async def submit(self, slot: Slot, item: Any, deadline: float) -> Any:
         uid, now = f"{self._front_end}.{slot.ticket:x}", time.monotonic()  # unique, and cheaper than a uuid4
-        request = wire.RequestMessage(self._front_end, uid, slot.index, slot.ticket, now, deadline, item)
+        request = wire.RequestMessage(self._front_end, uid, slot.index, slot.ticket, slot.model, now, deadline, item)
         message = wire.pack_request(request)
         if len(message) > MAX_REQUEST_BYTES:
             raise ApiError(
@@ -141,21 +143,21 @@ class Dispatcher:
             )
         pending = slot.pending = self._pending[uid] = _Pending(uid, slot.index, slot.ticket, now, deadline, message)
         self._send(message)
-        output = await self._wait(pending)
+        output = await self._wait(pending, slot.label)
         if isinstance(output, ApiError):
             if output.code == "deadline":  # the worker dropped it unrun before this front end's timer said so
-                metrics.REJECTED.labels("deadline").inc()
+                metrics.REJECTED.labels("deadline", slot.label).inc()
             raise output
         return output
 
-    async def _wait(self, pending: _Pending) -> Any:
+    async def _wait(self, pending: _Pending, label: str) -> Any:
         while not pending.answer.done():
             remaining = pending.deadline - time.monotonic()
             if remaining <= 0:
-                metrics.REJECTED.labels("deadline").inc()
+                metrics.REJECTED.labels("deadline", label).inc()
                 raise ApiError(504, "deadline", "no answer before the request's deadline")
             if self._lost(pending):
-                metrics.REJECTED.labels("worker_lost").inc()
+                metrics.REJECTED.labels("worker_lost", label).inc()
                 raise ApiError(503, "worker_lost", "the inference worker died", self.retry_after_s)
             self._resend_if_lost_in_transit(pending)
             await asyncio.wait((pending.answer,), timeout=min(remaining, WORKER_CHECK_S))

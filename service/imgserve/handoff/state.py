@@ -9,6 +9,8 @@ import multiprocessing as mp
 import time
 from typing import Any
 
+from imgserve.handoff.model_state import ModelStates
+
 SETUP_FAILURE_BYTES = 2048
 STARTING, READY, FAILED = 0, 1, 2  # a worker process's start-up status
 # spawn-context primitives can be handed to spawned workers and inherited by forked front ends alike.
@@ -18,17 +20,16 @@ _ctx = mp.get_context("spawn")
 class SharedState:
     """Exact per-pod numbers (queue depth, draining, worker health) that no single process could know alone."""
 
-    def __init__(self, workers: int, request_slots: int = 1, front_ends: int = 1) -> None:
-        # Admitted requests per front end, so the requests of a front end that died can be written off.
-        self._admitted = _ctx.Array("i", front_ends)
+    def __init__(self, workers: int, request_slots: int = 1, front_ends: int = 1, models: int = 1) -> None:
+        # Admitted requests per front end and model, so the requests of a front end that died can be written off.
+        self._admitted = _ctx.Array("i", front_ends * models)
+        self.models = ModelStates(models, workers)
         self._front_end = 0  # which front end this process is (set after the fork, in that process)
         self._draining = _ctx.Value("b", 0)
         self._grpc_front_end = _ctx.Value("i", -1)  # the front end whose gRPC server listens (--grpc-port); -1: none
         self._exit_code = _ctx.Value("i", 0)
-        self._batch_size = _ctx.Value("i", 0)
-        self._element_budget = _ctx.Value("q", 0)
-        self._budget_bytes = _ctx.Value("q", 0)
         self._status = _ctx.Array("b", workers)  # per worker index: its current process's STARTING, READY, FAILED
+        self._overhead = _ctx.Array("q", workers)  # per worker index: its process's own memory, before any model
         self._alive = _ctx.Array("b", [1] * workers)
         self._lost_at = _ctx.Array("d", [0.0] * workers)
         self._lives = _ctx.Array("i", workers, lock=False)  # per worker index: how many of its processes died
@@ -37,7 +38,6 @@ class SharedState:
         self._taken = _ctx.Array("q", request_slots, lock=False)
         self._taken_in_life = _ctx.Array("i", request_slots, lock=False)  # ... and which process of that worker
         self._take_lock = _ctx.Lock()
-        self._task: Any = _ctx.Array("c", 16)  # the output kind the workers decided (models/outputs.py)
         self._setup_failure: Any = _ctx.Array("c", SETUP_FAILURE_BYTES)
 
     # Admission: requests admitted and not yet answered.
@@ -45,29 +45,40 @@ class SharedState:
         """In a front-end process: count what this process admits as front end `front_end`'s."""
         self._front_end = front_end
 
-    def try_admit(self, limit: int, count: int = 1) -> bool:
-        """Take `count` places in the queue if that many are free (all or none)."""
+    def try_admit(self, limit: int, count: int = 1, model: int = 0, model_limit: int | None = None) -> bool:
+        """Take `count` places in the pod's queue, of `model`'s, if that many are free in both (all or none)."""
         with self._admitted.get_lock():
             if sum(self._admitted[:]) + count > limit:
                 return False
-            self._admitted[self._front_end] += count
+            if model_limit is not None and self._model_depth(model) + count > model_limit:
+                return False
+            self._admitted[self._front_end * self.models.count + model] += count
             return True
 
-    def release(self, count: int = 1) -> None:
+    def release(self, count: int = 1, model: int = 0) -> None:
         with self._admitted.get_lock():
-            self._admitted[self._front_end] -= count
+            self._admitted[self._front_end * self.models.count + model] -= count
 
     def forget_front_end(self, front_end: int) -> None:
         """A front end died: its admitted requests died with their connections and will never be released, and
         its gRPC server (if it ran one) with it."""
+        models = self.models.count
         with self._admitted.get_lock():
-            self._admitted[front_end] = 0
+            self._admitted[front_end * models : (front_end + 1) * models] = [0] * models
         if self._grpc_front_end.value == front_end:
             self._grpc_front_end.value = -1
 
     @property
     def queue_depth(self) -> int:
+        """Admitted and not yet answered, all models: the pod's."""
         return sum(self._admitted[:])
+
+    def model_queue_depth(self, model: int) -> int:
+        """Admitted and not yet answered, of `model`."""
+        return self._model_depth(model)
+
+    def _model_depth(self, model: int) -> int:
+        return sum(self._admitted[model :: self.models.count])
 
     # Shutdown.
     @property
@@ -90,19 +101,7 @@ class SharedState:
     def exit_code(self) -> int:
         return self._exit_code.value
 
-    # What the workers decided at warm-up.
-    def set_limits(self, batch_size: int, element_budget: int, budget_bytes: int) -> None:
-        self._batch_size.value, self._element_budget.value = batch_size, element_budget
-        self._budget_bytes.value = budget_bytes
-
-    def set_task(self, kind: str) -> None:
-        self._task.value = kind.encode()
-
-    @property
-    def task(self) -> str | None:
-        """image, classify, segment or detect, as the workers decided at warm-up; None before the first is warm."""
-        return self._task.value.decode() or None
-
+    # The workers' start.
     def fail_setup(self, worker: int, reason: str) -> None:
         """Worker `worker` could not load or warm up the model: the one-line reason `imgserve serve` ends with."""
         self._setup_failure.value = reason.encode()[: SETUP_FAILURE_BYTES - 1]
@@ -112,6 +111,14 @@ class SharedState:
         """Worker `worker` has set up its API and measured it: it takes requests."""
         self._status[worker] = READY
         self._alive[worker] = 1
+
+    def report_overhead(self, worker: int, nbytes: int) -> None:
+        """Worker `worker`'s own memory before any model: the interpreter, its libraries, a GPU's CUDA context."""
+        self._overhead[worker] = nbytes
+
+    def worker_overhead(self) -> int:
+        """The largest memory of a worker process of its own, as the workers reported it (0 before any did)."""
+        return max(self._overhead[:], default=0)
 
     def worker_status(self, worker: int) -> int:
         return self._status[worker]
@@ -125,17 +132,10 @@ class SharedState:
     def setup_failure(self) -> str:
         return self._setup_failure.value.decode(errors="replace")
 
-    @property
-    def limits(self) -> dict[str, int | None]:
-        return {
-            "max_batch_size": self._batch_size.value or None,
-            "element_budget": self._element_budget.value or None,
-            "budget_bytes": self._budget_bytes.value or None,
-        }
-
     # Worker health, kept by the main process's supervisor.
     def worker_lost(self, worker: int) -> None:
         """Worker `worker`'s process died (called before its replacement starts, which sets it up again)."""
+        self.models.drop_worker(worker)
         self._status[worker] = STARTING
         self._alive[worker] = 0
         self._lost_at[worker] = time.monotonic()

@@ -25,6 +25,7 @@ from imgserve.handoff.items import ARRAY_KINDS, BytesInSlot, InSlot
 
 ERROR, IN_SLOT, ARRAY, BYTES_IN_SLOT = 1, 2, 3, 4  # the extension type codes
 MAX_DIMENSIONS = 8
+MAX_MODELS = 4096  # a model index is below this (the catalog checks its size against it)
 
 
 class WireError(ValueError):
@@ -45,35 +46,38 @@ def bound_socket(address: str, receive_buffer: int) -> socket.socket:
 @dataclass(frozen=True)
 class RequestMessage:
     """One request as it travels to the workers: who queued it (front end and its uid for it), the slot that holds
-    its data (index and the ticket of this use of it), when it was handed to the workers (decoded, queued) and by
-    when it must be answered (time.monotonic(), the same clock in every process of the host), and its item
-    (handoff/items.py)."""
+    its data (index and the ticket of this use of it), its model (the catalog's index), when it was handed to the
+    workers (decoded, queued) and by when it must be answered (time.monotonic(), the same clock in every process of
+    the host), and its item (handoff/items.py)."""
 
     front_end: int
     uid: str
     slot: int
     ticket: int
+    model: int
     queued: float
     deadline: float
     item: Any
 
 
 def pack_request(message: RequestMessage) -> bytes:
-    """[front end, uid, slot, ticket, queued, deadline, item]; TypeError for an item value that cannot travel."""
-    fields = [message.front_end, message.uid, message.slot, message.ticket, message.queued, message.deadline]
+    """[front end, uid, slot, ticket, model, queued, deadline, item]; TypeError for an item value that cannot travel."""
+    fields = [message.front_end, message.uid, message.slot, message.ticket, message.model]
+    fields += [message.queued, message.deadline]
     return msgpack.packb([*fields, message.item], default=_pack_value)
 
 
 def unpack_request(data: bytes) -> RequestMessage:
     """The request as the front end queued it (lists where it sent tuples), or WireError."""
     message = _unpack(data, ext_hook=_unpack_item_value)
-    if not (isinstance(message, list) and len(message) == 7):
-        raise WireError("a request is an array of 7")
-    front_end, uid, slot, ticket, queued, deadline, item = message
+    if not (isinstance(message, list) and len(message) == 8):
+        raise WireError("a request is an array of 8")
+    front_end, uid, slot, ticket, model, queued, deadline, item = message
     _check(_is_int(front_end) and front_end >= 0 and isinstance(uid, str), "request header")
     _check(_is_int(slot) and slot >= 0 and _is_int(ticket) and ticket >= 0, "slot")
+    _check(_is_int(model) and 0 <= model < MAX_MODELS, "model")
     _check(_is_time(queued) and _is_time(deadline), "deadline")
-    return RequestMessage(front_end, uid, slot, ticket, queued, deadline, item)
+    return RequestMessage(front_end, uid, slot, ticket, model, queued, deadline, item)
 
 
 def pack_answer(uid: str, output: Any) -> bytes:

@@ -18,7 +18,7 @@ import torch
 from starlette.responses import Response
 
 from imgserve.api import ImageAPI, Request, TensorSpec
-from imgserve.config import BuiltinModel
+from imgserve.config import BuiltinModel, served_name
 from imgserve.errors import ApiError
 from imgserve.models import outputs
 from imgserve.models.loader import ModelLoadError
@@ -75,8 +75,8 @@ class ModelAPI(ImageAPI):
     def __init__(self, settings: BuiltinModel, kinds: KindRecord, pad: bool, retry_after_s: int = 1) -> None:
         super().__init__()
         self.settings, self.kinds, self.retry_after_s = settings, kinds, retry_after_s
-        self.model, self.model_factory = settings.model, settings.model_factory  # type: ignore[misc]
-        self.name = settings.served_name  # type: ignore[misc]
+        self.model, self.model_factory = settings.model[0], settings.model_factory  # type: ignore[misc]
+        self.name = served_name(settings.model[0])  # type: ignore[misc]
         self.precision = settings.precision  # type: ignore[misc]
         self.labels = outputs.read_labels(settings.labels)  # type: ignore[misc]
         self.group_by_shape = not pad  # type: ignore[misc]  # images of close sizes are padded together

@@ -16,6 +16,7 @@ import shutil
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.multiprocessing  # noqa: F401 - registers the tensor reducers (CUDA IPC handles) on ForkingPickler
@@ -52,6 +53,26 @@ class SharedWeights:
     @property
     def shared(self) -> bool:
         return self.path is not None or bool(self.cuda)
+
+    def to_message(self) -> dict[str, Any]:
+        """What a worker needs of it, as plain values (a worker's control message carries it)."""
+        path = None if self.path is None else str(self.path)
+        return {"nbytes": self.nbytes, "path": path, "cuda": self.cuda, "reason": self.reason, "kind": self.kind}
+
+    @classmethod
+    def from_message(cls, data: dict[str, Any]) -> SharedWeights:
+        path = data["path"]
+        return cls(
+            int(data["nbytes"]), None if path is None else Path(path), dict(data["cuda"]), data["reason"], data["kind"]
+        )
+
+    def release(self) -> None:
+        """In the main process, once no worker holds the model: its shared copy goes (the file, the device tensors)."""
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
+        self.owner.clear()
+        if self.cuda:
+            torch.cuda.empty_cache()
 
     def describe(self) -> dict[str, object]:
         """What /info says about the weights."""
@@ -120,6 +141,7 @@ def share_on_cpu(model: torch.nn.Module, directory: Path) -> SharedWeights:
     nbytes = sum(t.nbytes for t in state.values())
     path = directory / FILE_NAME
     try:
+        directory.mkdir(mode=0o700, exist_ok=True)
         free = shutil.disk_usage(directory).free
         if nbytes <= free // 2:
             save_file(state, str(path), metadata={NHWC_KEY: json.dumps(nhwc), ALIAS_KEY: json.dumps(aliases)})

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from imgserve.handoff.state import SharedState
 from imgserve.supervisor.children import Children, Ending, Supervisor
+from imgserve.supervisor.models import ModelControl
 
 log = logging.getLogger(__name__)
 POLL_S = 0.2
@@ -36,8 +37,8 @@ class _Requested:
 class Lifecycle:
     """Runs the server's children from start to stop; `run` returns the exit code."""
 
-    def __init__(self, children: Children, state: SharedState, drain_timeout_s: float) -> None:
-        self.children, self.state, self.drain_timeout_s = children, state, drain_timeout_s
+    def __init__(self, children: Children, state: SharedState, drain_timeout_s: float, control: ModelControl) -> None:
+        self.children, self.state, self.drain_timeout_s, self.control = children, state, drain_timeout_s, control
         self.supervisor = Supervisor(children, state)
         self.requested = _Requested()
         self.ending: Ending | None = None
@@ -64,7 +65,12 @@ class Lifecycle:
         ends start once every worker is ready (a model that cannot be served ends the server before any)."""
         while True:
             if not self.children.front_ends and self.state.workers_ready:
+                refusal = self.control.fit_started()
+                if refusal is not None:  # the models loaded at start do not fit the device's memory
+                    return self._end(Ending(refusal, 2))
                 self.children.start_front_ends()
+            elif self.children.front_ends:
+                self.control.step()
             if self.requested.drain:
                 self.state.start_draining()
                 log.info("draining %d in-flight requests", self.state.queue_depth)

@@ -1,9 +1,10 @@
 """Memory-bounded batching: the decoded items of a gathered batch split into chunks the memory allows, each run
 through the API's `batch` -> `predict` -> `unbatch`, split again on out-of-memory, a failing item isolated.
 
-An item's size is the count of the elements of its arrays. The memory a chunk needs is measured once, at start,
-on the API's example request (bytes per element at the peak, CUDA allocator or peak RSS); the worker's share of
-the device's free memory then bounds every chunk. Items go together only when the API's `batch` can take them:
+An item's size is the count of the elements of its arrays. The memory a chunk needs is measured once per model, when
+the worker sets it up, on the API's example request (bytes per element at the peak, CUDA allocator or peak RSS);
+the element budget the main process gives the model from the device's memory (pod.fit_models) then bounds every
+chunk. Items go together only when the API's `batch` can take them:
 by default items whose arrays share their shapes; with `group_by_shape` False, images (HxWxC arrays) of sizes
 close enough that padding wastes at most MAX_PAD_WASTE, and any items otherwise.
 """
@@ -23,10 +24,11 @@ import torch
 from imgserve import heap
 from imgserve.api import ImageAPI
 from imgserve.errors import ApiError, fault, from_exception
-from imgserve.pod import AUTO_BATCH_CAP, available_ram
+from imgserve.pod import Measured
 
 log = logging.getLogger(__name__)
 MAX_PAD_WASTE = 2.0  # a padded chunk may hold at most twice the real elements
+UNBOUNDED = 2**62  # the element budget of an API with nothing measured (its batch size alone bounds it)
 
 
 @dataclass(frozen=True)
@@ -55,22 +57,6 @@ class Shape:
         signature = visit(value)
         image = tuple(value.shape) if isinstance(value, np.ndarray) and value.ndim == 3 else None
         return cls(signature, max(elements, 1), image)
-
-
-@dataclass
-class MemoryPlan:
-    """How much a chunk may hold: measured bytes per element and the worker's budget."""
-
-    bytes_per_element: float
-    budget_bytes: int
-
-    @property
-    def element_budget(self) -> int:
-        return max(int(self.budget_bytes / self.bytes_per_element), 1)
-
-    def batch_size_for(self, elements: int) -> int:
-        """The largest batch of items of `elements` that fits the budget (at least 1): max_batch_size auto."""
-        return min(max(self.element_budget // elements, 1), AUTO_BATCH_CAP)
 
 
 def plan_chunks(shapes: Sequence[Shape], budget: int, group_by_shape: bool) -> list[list[int]]:
@@ -124,14 +110,15 @@ class BatchRunner:
 
     def __init__(self, api: ImageAPI, device: torch.device, on_oom: Callable[[], None] = lambda: None) -> None:
         self.api, self.device, self.on_oom = api, device, on_oom
-        self.memory = MemoryPlan(bytes_per_element=1.0, budget_bytes=2**62)
+        self.element_budget = UNBOUNDED  # what one chunk may hold (the main process fits it to the device)
+        self.bytes_per_element = 1.0  # measured on the API's example request (`measure`)
         self.last_need_bytes = 0  # what the largest chunk of the last call needed at its peak
 
     def __call__(self, values: list[Any]) -> list[Any]:
         shapes = [Shape.of(value) for value in values]
-        chunks = plan_chunks(shapes, self.memory.element_budget, self.api.group_by_shape)
+        chunks = plan_chunks(shapes, self.element_budget, self.api.group_by_shape)
         largest = max(sum(shapes[i].elements for i in chunk) for chunk in chunks)
-        self.last_need_bytes = int(self.memory.bytes_per_element * largest)
+        self.last_need_bytes = int(self.bytes_per_element * largest)
         results: list[Any] = [None] * len(values)
         for chunk in chunks:
             for index, output in zip(chunk, self._run_chunk([values[i] for i in chunk]), strict=True):
@@ -170,10 +157,9 @@ class BatchRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def measure(self, value: Any, memory_fraction: float, sharers: int = 1, reserved_bytes: int = 0) -> MemoryPlan:
-        """Run one decoded example item and measure the peak memory per element (CUDA allocator, or peak RSS on a
-        CPU). The device's batch memory, `memory_fraction` of what is free now less `reserved_bytes` (kept for the
-        request slots), is shared by its `sharers` workers; the weights, already in place, are not in it."""
+    def measure(self, value: Any) -> Measured:
+        """Run one decoded example item and measure the peak memory per element of its arrays (CUDA allocator, or
+        peak RSS on a CPU): what a batch of such items needs, beside the weights already in place."""
         elements = Shape.of(value).elements
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -182,17 +168,13 @@ class BatchRunner:
             self._warm_up(value)
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device) - base
-            free, _ = torch.cuda.mem_get_info(self.device)
         else:
             base = _restart_peak_rss()
             self._warm_up(value)
             peak = _peak_rss() - base
-            free = available_ram()
         floor = 2 * elements * 4  # a batch holds at least its input and output as float32
-        usable = int(memory_fraction * free)
-        budget = (usable - min(reserved_bytes, usable // 2)) // sharers  # the slots get at most half
-        self.memory = MemoryPlan(max(peak, floor) / elements, budget)
-        return self.memory
+        self.bytes_per_element = max(peak, floor) / elements
+        return Measured(self.bytes_per_element, elements)
 
     def call(self, values: list[Any]) -> list[Any]:
         """The API's steps on one chunk, as they are: `batch` -> `predict` -> `unbatch`."""

@@ -1,16 +1,19 @@
-"""The served API in an inference worker: its setup and the memory a batch needs, then each gathered batch of request
-messages answered.
+"""The served models in an inference worker: each set up and measured when it is loaded, then each gathered batch of
+request messages (all of one model) answered.
 
-`setup` loads the API on its device and measures, on the API's example request, the memory a batch needs (which
-bounds every chunk and, with max_batch_size auto, the batch size). `answer` takes a batch of request messages: items
-past their deadline are answered 504 and never computed; the others are read from their slots (views, no copy), run
+`set_up` loads a model's API on the worker's device and measures, on the API's example request, the memory a batch
+needs per element; the main process fits every model into the device's memory from what the workers measured and
+gives each its batch limits (pod.fit_models). `answer` takes a batch of one model's request messages: items past
+their deadline are answered 504 and never computed; the others are read from their slots (views, no copy), run
 (worker/batching.py), and each output is written back into its request's slot, or travels in the answer when small.
-Every failure is that item's answer; the worker survives them all.
+Every failure is that item's answer; the worker survives them all. A model is set up beside the batches of the others
+(on a thread of its own); only its measurement holds the batches back, for one example batch.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,13 +27,15 @@ from imgserve import heap, metrics
 from imgserve.api import ImageAPI
 from imgserve.errors import ApiError, fault, from_exception
 from imgserve.handoff import items
+from imgserve.handoff.model_state import FAILED, HELD, NOT_HELD
 from imgserve.handoff.slots import SlotFiles
 from imgserve.handoff.state import SharedState
 from imgserve.handoff.wire import RequestMessage
 from imgserve.models.loader import ModelLoadError, load_model
 from imgserve.models.shared import SharedWeights
-from imgserve.pod import TorchThreads
-from imgserve.worker.batching import BatchRunner, Shape
+from imgserve.pod import Measured, TorchThreads
+from imgserve.served import Catalog
+from imgserve.worker.batching import UNBOUNDED, BatchRunner
 
 log = logging.getLogger(__name__)
 INLINE_BYTES = 64 * 1024  # outputs up to this size (class scores) travel in the answer message, larger in the slot
@@ -38,102 +43,115 @@ INLINE_BYTES = 64 * 1024  # outputs up to this size (class scores) travel in the
 
 @dataclass(frozen=True)
 class WorkerPlan:
-    """What the composition root decided for every worker: where the slots and the weights are, its batch size
-    (1 until auto measures it) and timeout, its torch threads, how many workers share its device, the memory kept
-    for slots, the share of the device's free memory the batches may use, and whether model files may run code."""
+    """What the composition root decided for every worker: where the slots are, its torch threads, and whether
+    model files may run code."""
 
     slot_directory: Path
-    weights: SharedWeights
-    batch_size: int
-    batch_timeout_s: float
-    auto_batch: bool
     torch_threads: TorchThreads
-    workers_per_device: int
-    reserved_bytes: int
-    memory_fraction: float
     trust_pickle: bool
 
 
 class Worker:
-    """One inference worker's API on its device, and how it answers a batch."""
+    """One inference worker's models on its device, and how it answers a batch."""
 
-    def __init__(self, api: ImageAPI, state: SharedState, plan: WorkerPlan, device: str) -> None:
-        self.api, self.state, self.plan, self.device = api, state, plan, device
-        self.max_batch_size = plan.batch_size
+    def __init__(self, catalog: Catalog, state: SharedState, plan: WorkerPlan, index: int, device: str) -> None:
+        self.catalog, self.state, self.plan, self.index, self.device = catalog, state, plan, index, device
+        self.runners: dict[int, BatchRunner] = {}  # the models set up here, by index
         self.slots = SlotFiles(plan.slot_directory)
-
-    def setup(self) -> None:
-        """Set up the API on its device, warm it up on its example request, measure its memory and fix the batch
-        limits; a failure raises with the one-line reason `imgserve serve` ends with."""
-        plan, api, device = self.plan, self.api, self.device
+        self.batches = threading.Lock()  # one batch at a time: a model's measurement holds the others back
         torch.set_num_threads(plan.torch_threads.alone)  # pod.py decided the counts
-        api.model_loader = shared_model_loader(api, plan.weights, plan.trust_pickle)
-        _reported(f"the API's setup failed on {device}", api.setup, device)
-        api.device = device  # as LitServe sets it after setup
-        heap.hold_freed_memory()  # after loading: what a private load freed goes back to the system
-        self.runner = BatchRunner(api, torch.device(device), on_oom=metrics.OOM_SPLITS.inc)
-        self.heap = heap.BatchHeap(release=api.release_memory)
-        example = _reported(f"the API failed on its example request on {device}", self._measure)
-        log.info(
-            "worker ready on %s (%d torch threads, %d while other requests are in flight): weights %s, max batch %d%s",
-            device,
-            *plan.torch_threads,
-            "shared" if plan.weights.shared else "private",
-            self.max_batch_size,
-            "" if example else " (no example request: batch memory not measured)",
-        )
+        self.heap = heap.BatchHeap(release=self._release_apis)
 
-    def _measure(self) -> bool:
-        """The memory a batch needs, from the example request; with max_batch_size auto, the batch size it allows.
-        False when the API has no example request to measure (its batches are bounded by their size alone)."""
-        plan, request = self.plan, self.api.example_request()
-        if request is None:
-            self.state.set_limits(self.max_batch_size, 0, 0)
-            return False
-        example = self.api.decode_request(request)
-        memory = self.runner.measure(example, plan.memory_fraction, plan.workers_per_device, plan.reserved_bytes)
-        if plan.auto_batch:
-            self.max_batch_size = memory.batch_size_for(Shape.of(example).elements)
-        self.state.set_limits(self.max_batch_size, memory.element_budget, memory.budget_bytes)
-        log.info(
-            "%s: %.1f bytes per element at the peak, budget %d MiB = %d elements",
-            self.device,
-            memory.bytes_per_element,
-            memory.budget_bytes >> 20,
-            memory.element_budget,
-        )
-        return True
+    # Models in and out.
+    def set_up(self, model: int, weights: SharedWeights) -> None:
+        """Set up model `model` on this worker's device around its shared `weights`, warm it up and measure it; then
+        say it is held. A failure is the model's ModelLoadError (also said in the shared state)."""
+        served, device = self.catalog[model], self.device
+        api = served.api
+        try:
+            api.model_loader = shared_model_loader(api, weights, self.plan.trust_pickle)
+            _reported(f"{served.name}: the API's setup failed on {device}", api.setup, device)
+            api.device = device  # as LitServe sets it after setup
+            runner = BatchRunner(api, torch.device(device), on_oom=metrics.OOM_SPLITS.labels(served.name).inc)
+            with self.batches:
+                measured = _reported(f"{served.name}: the API failed on its example request", _measure, runner)
+        except ModelLoadError as exc:
+            self.state.models.note_failure(model, str(exc))
+            self.state.models.hold(self.index, model, FAILED)
+            raise
+        if measured is not None:
+            self.state.models.measure(model, measured)
+        self.runners[model] = runner
+        self.state.models.hold(self.index, model, HELD)
+        log.info("%s set up on %s: %s", served.name, device, _described(measured))
+
+    def drop(self, model: int) -> None:
+        """Let model `model` go: its API and buffers, and the memory they held."""
+        with self.batches:
+            runner = self.runners.pop(model, None)
+        if runner is not None:
+            runner.api.release_memory()
+            del runner
+            heap.trim()
+            if self.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+        self.state.models.hold(self.index, model, NOT_HELD)
+
+    def _release_apis(self) -> None:
+        for runner in list(self.runners.values()):
+            runner.api.release_memory()
 
     def release_memory(self) -> None:
         """Idle: the buffers kept for reuse and the heap's free memory go back to the system."""
         self.heap.give_back()
 
+    def batch_size(self, model: int) -> int:
+        """The most requests of `model` one batch takes: what the main process gave it, else its own batch size."""
+        limits = self.state.models.limits(model)
+        if limits is not None:
+            return limits.batch_size
+        configured = self.catalog[model].batching.max_batch_size
+        return configured if isinstance(configured, int) else 1
+
+    # Batches.
     def answer(self, requests: list[RequestMessage]) -> list[Any]:
-        """One answer per request message: what is past its deadline is never computed (504); the rest are read
-        from their slots, run, and answered with their outputs (or each its own error)."""
-        now = time.monotonic()
+        """One answer per request message (all of one model): what is past its deadline is never computed (504); the
+        rest are read from their slots, run, and answered with their outputs (or each its own error)."""
+        now, model = time.monotonic(), requests[0].model
+        runner, name = self.runners.get(model), self.catalog[model].name
+        if runner is None:  # unloaded since it was admitted
+            error = ApiError(503, "model_unavailable", f"model {name!r} is not loaded", 1)
+            return [error] * len(requests)
         answers: list[Any] = [ApiError(504, "deadline", "the deadline passed in the queue")] * len(requests)
         live = [i for i, request in enumerate(requests) if request.deadline > now]  # front ends count the rest
         values: dict[int, Any] = {}
         for i in live:
-            metrics.QUEUE_WAIT.observe(now - requests[i].queued)
+            metrics.QUEUE_WAIT.labels(name).observe(now - requests[i].queued)
             values[i], answers[i] = _guarded(self._read, requests[i], where="reading the request")
         ready = [i for i in live if answers[i] is None]
-        if not ready:
-            return answers
-        metrics.BATCH_SIZE.observe(len(ready))
-        metrics.INFLIGHT.set(len(ready))
-        self._set_threads(len(ready))
+        if ready:
+            outputs = self._run(runner, model, [values[i] for i in ready])
+            for i, output in zip(ready, outputs, strict=True):
+                placed = output if isinstance(output, ApiError) else self._placed(requests[i], output, values[i])
+                answers[i] = placed
+        return answers
+
+    def _run(self, runner: BatchRunner, model: int, values: list[Any]) -> list[Any]:
+        """One batch through the runner, within the element budget the main process gave the model."""
+        name, limits = self.catalog[model].name, self.state.models.limits(model)
+        runner.element_budget = limits.element_budget if limits and limits.element_budget else UNBOUNDED
+        metrics.BATCH_SIZE.labels(name).observe(len(values))
+        metrics.INFLIGHT.labels(name).set(len(values))
+        self._set_threads(len(values))
         started = time.perf_counter()
         try:
-            outputs = self.runner([values[i] for i in ready])
+            with self.batches:
+                outputs = runner(values)
         finally:
-            metrics.INFERENCE_DURATION.observe(time.perf_counter() - started)
-            metrics.INFLIGHT.set(0)
-        self.heap.after_batch(self.runner.last_need_bytes)
-        for i, output in zip(ready, outputs, strict=True):
-            answers[i] = output if isinstance(output, ApiError) else self._placed(requests[i], output, values[i])
-        return answers
+            metrics.INFERENCE_DURATION.labels(name).observe(time.perf_counter() - started)
+            metrics.INFLIGHT.labels(name).set(0)
+        self.heap.after_batch(runner.last_need_bytes)
+        return outputs
 
     def _read(self, request: RequestMessage) -> Any:
         """The request's item, its arrays and large bytes as they lie in its slot."""
@@ -159,6 +177,18 @@ class Worker:
         otherwise (pod.py's rule); the switch sets OpenMP's count for the next parallel region, well under 1 us."""
         alone = self.state.queue_depth <= batch_size
         torch.set_num_threads(self.plan.torch_threads.alone if alone else self.plan.torch_threads.busy)
+
+
+def _measure(runner: BatchRunner) -> Measured | None:
+    """The model's memory per element on its example request; None when it has no example request to measure."""
+    request = runner.api.example_request()
+    return None if request is None else runner.measure(runner.api.decode_request(request))
+
+
+def _described(measured: Measured | None) -> str:
+    if measured is None:
+        return "no example request: its batches are bounded by their size alone"
+    return f"{measured.bytes_per_element:.1f} bytes per element at the peak, {measured.example_elements} per item"
 
 
 def _guarded(step: Callable[..., Any], *args: Any, where: str) -> tuple[Any, ApiError | None]:

@@ -31,7 +31,7 @@ from imgserve.frontend import telemetry
 from imgserve.frontend.auth import Keys
 from imgserve.frontend.v2 import grpc_stream, tensors
 from imgserve.frontend.v2.grpc_gate import Gate, options
-from imgserve.frontend.v2.model import VERSION, ServedModel
+from imgserve.frontend.v2.model import VERSION, V2Models
 from imgserve.frontend.v2.tensors import InferRequest, RequestedOutput, Tensor
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def _rpc(label: str) -> Callable[[Handler], Handler]:
             try:
                 return await method(self, request, context)
             except asyncio.CancelledError:  # gRPC ended the call: its deadline passed first, or the client left
-                status = grpc_stream.cancelled_status(context)
+                status = grpc_stream.cancelled_status(context, self.models.label(getattr(request, "model_name", "")))
                 raise
             except ApiError as error:
                 status = error.status
@@ -88,7 +88,8 @@ def _rpc(label: str) -> Callable[[Handler], Handler]:
                 log.exception("gRPC %s failed", method.__name__)
                 await context.abort(grpc.StatusCode.INTERNAL, "the server failed on this request")
             finally:
-                metrics.count(label, status, time.perf_counter() - started)
+                name = getattr(request, "model_name", "") or getattr(request, "name", "")
+                metrics.count(label, status, time.perf_counter() - started, self.models.label(name))
 
         return handler
 
@@ -99,8 +100,8 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
     """The core RPCs, ModelConfig (perf_analyzer -i grpc needs it), ModelStreamInfer and ModelStatistics; the
     shared-memory RPCs answer that they are not supported; the rest answer UNIMPLEMENTED."""
 
-    def __init__(self, model: ServedModel, settings: ServerSettings, keys: Keys) -> None:
-        self.model, self.settings, self.keys = model, settings, keys
+    def __init__(self, models: V2Models, settings: ServerSettings, keys: Keys) -> None:
+        self.models, self.settings, self.keys = models, settings, keys
 
     @_rpc(telemetry.GRPC_OTHER)
     async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -108,34 +109,34 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_rpc(telemetry.GRPC_OTHER)
     async def ServerReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return service_pb2.ServerReadyResponse(ready=self.model.not_ready_reason() is None)
+        return service_pb2.ServerReadyResponse(ready=self.models.not_ready_reason(None) is None)
 
     @_rpc(telemetry.GRPC_OTHER)
     async def ModelReady(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        self.model.check(request.name, request.version)
-        return service_pb2.ModelReadyResponse(ready=self.model.not_ready_reason() is None)
+        model = self.models.find(request.name, request.version)
+        return service_pb2.ModelReadyResponse(ready=self.models.model_not_ready_reason(model.name) is None)
 
     @_rpc(telemetry.GRPC_OTHER)
     async def ServerMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return json_format.ParseDict(self.model.server_metadata(), service_pb2.ServerMetadataResponse())
+        return json_format.ParseDict(self.models.server_metadata(), service_pb2.ServerMetadataResponse())
 
     @_rpc(telemetry.GRPC_OTHER)
     async def ModelMetadata(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        self.model.check(request.name, request.version)
-        return json_format.ParseDict(self.model.metadata(), service_pb2.ModelMetadataResponse())
+        model = self.models.find(request.name, request.version)
+        return json_format.ParseDict(model.metadata(), service_pb2.ModelMetadataResponse())
 
     @_rpc(telemetry.GRPC_OTHER)
     async def ModelConfig(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        self.model.check(request.name, request.version)
-        config = json_format.ParseDict(self.model.config(), model_config_pb2.ModelConfig())
+        model = self.models.find(request.name, request.version)
+        config = json_format.ParseDict(model.config(), model_config_pb2.ModelConfig())
         return service_pb2.ModelConfigResponse(config=config)
 
     @_rpc(telemetry.GRPC_OTHER)
     async def ModelStatistics(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """Every model's statistics (no name), or one model's; read on a thread (it reads files)."""
         if request.name:
-            self.model.check(request.name, request.version)
-        statistics = await asyncio.to_thread(self.model.statistics)
+            self.models.find(request.name, request.version)
+        statistics = await asyncio.to_thread(self.models.statistics, request.name or None)
         return json_format.ParseDict(statistics, service_pb2.ModelStatisticsResponse())
 
     @_rpc(telemetry.GRPC_OTHER)
@@ -150,19 +151,19 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
         return await self.infer(request, context)  # its API key was checked by Gate, before the message was read
 
     async def ModelStreamInfer(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
-        window = max(1, self.model.max_images())
-        await grpc_stream.Stream(self.infer, context, window).serve(requests)
+        window = max(1, self.models.max_images())
+        await grpc_stream.Stream(self.infer, context, window, self.models.label).serve(requests)
 
     async def infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
         """One ModelInferRequest answered (ModelInfer's, or one of a stream's): its deadline is the call's, else
         request_timeout_s, counted from now and capped at max_request_timeout_s."""
         started = time.monotonic()
-        self.model.check(request.model_name, request.model_version)
+        model = self.models.find(request.model_name, request.model_version)
         remaining = context.time_remaining()
         timeout = self.settings.request_timeout_s if remaining is None else remaining
         deadline = started + min(timeout, self.settings.max_request_timeout_s)
-        outputs = await self.model.infer(_request(request), deadline, started)
-        return _response(self.model.name, request.id, [tensor for _, tensor in outputs])
+        outputs = await model.infer(_request(request), deadline, started)
+        return _response(model.name, request.id, [tensor for _, tensor in outputs])
 
 
 def _parameter(value: Any) -> Any:

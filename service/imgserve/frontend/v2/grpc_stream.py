@@ -34,12 +34,12 @@ DEADLINE_SLACK_S = 0.05
 Infer = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
 
-def cancelled_status(context: grpc.aio.ServicerContext) -> int:
+def cancelled_status(context: grpc.aio.ServicerContext, model: str = "") -> int:
     """How a call (or a stream's request) that gRPC cancelled is counted: 504, and a deadline rejection, when the
     call's deadline ran out; else 499 (the client left)."""
     remaining = context.time_remaining()
     if remaining is not None and remaining <= DEADLINE_SLACK_S:
-        metrics.REJECTED.labels("deadline").inc()
+        metrics.REJECTED.labels("deadline", model).inc()
         return 504
     return 499
 
@@ -47,8 +47,10 @@ def cancelled_status(context: grpc.aio.ServicerContext) -> int:
 class Stream:
     """One ModelStreamInfer call: its requests in progress, and the one writer of its answers."""
 
-    def __init__(self, infer: Infer, context: grpc.aio.ServicerContext, window: int) -> None:
-        self.infer, self.context = infer, context
+    def __init__(
+        self, infer: Infer, context: grpc.aio.ServicerContext, window: int, label: Callable[[str], str]
+    ) -> None:
+        self.infer, self.context, self.label = infer, context, label
         self.window = asyncio.Semaphore(window)
         self.writing = asyncio.Lock()  # one message at a time on the call
         self.running: set[asyncio.Task[None]] = set()
@@ -79,12 +81,13 @@ class Stream:
     async def _answered(self, request: Any) -> Any:
         """One request's answer, or its error, counted."""
         started, status = time.perf_counter(), 200
+        model = "" if isinstance(request, ApiError) else self.label(request.model_name)
         try:
             if isinstance(request, ApiError):
                 raise request
             return service_pb2.ModelStreamInferResponse(infer_response=await self.infer(request, self.context))
         except asyncio.CancelledError:
-            status = cancelled_status(self.context)
+            status = cancelled_status(self.context, model)
             raise
         except ApiError as error:
             status = error.status
@@ -94,7 +97,7 @@ class Stream:
             log.exception("a request of a gRPC stream failed")
             return _error(request, "the server failed on this request")
         finally:
-            metrics.count(telemetry.GRPC_INFER, status, time.perf_counter() - started)
+            metrics.count(telemetry.GRPC_INFER, status, time.perf_counter() - started, model)
 
 
 def _error(request: Any, message: str, retry_after: int | None = None) -> Any:

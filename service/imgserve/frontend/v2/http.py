@@ -23,7 +23,7 @@ from starlette.routing import Route
 from imgserve.errors import ApiError
 from imgserve.frontend.inference import INLINE_CODEC_BYTES
 from imgserve.frontend.v2 import tensors
-from imgserve.frontend.v2.model import VERSION, ServedModel
+from imgserve.frontend.v2.model import VERSION, V2Model, V2Models
 from imgserve.frontend.v2.tensors import InferRequest, RequestedOutput, Tensor
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
@@ -33,10 +33,10 @@ ANY_ZLIB_HEADER = 32 + zlib.MAX_WBITS  # gzip or zlib, told apart by the header
 
 
 class V2Routes:
-    """The HTTP endpoints of the protocol for one served model."""
+    """The HTTP endpoints of the protocol for the served models."""
 
-    def __init__(self, model: ServedModel, max_body_bytes: int) -> None:
-        self.model, self.max_body_bytes = model, max_body_bytes
+    def __init__(self, models: V2Models, max_body_bytes: int) -> None:
+        self.models, self.max_body_bytes = models, max_body_bytes
 
     def routes(self) -> list[Route]:
         """Every route, each model route with and without `/versions/{version}`."""
@@ -61,79 +61,79 @@ class V2Routes:
         return found
 
     async def server_metadata(self, request: Request) -> JSONResponse:
-        return JSONResponse(self.model.server_metadata())
+        return JSONResponse(self.models.server_metadata())
 
     async def live(self, request: Request) -> JSONResponse:
         return JSONResponse({"live": True})
 
     async def ready(self, request: Request) -> JSONResponse:
-        return self._readiness({})
+        return self._readiness({}, self.models.not_ready_reason(None))
 
     async def model_ready(self, request: Request) -> Response:
         return await self._answer(request, self._model_ready)
 
     async def metadata(self, request: Request) -> Response:
-        return await self._answer(request, lambda: JSONResponse(self.model.metadata()))
+        return await self._answer(request, lambda model: JSONResponse(model.metadata()))
 
     async def config(self, request: Request) -> Response:
-        return await self._answer(request, lambda: JSONResponse(self.model.config()))
+        return await self._answer(request, lambda model: JSONResponse(model.config()))
 
     async def statistics(self, request: Request) -> Response:
         """Every model's statistics (`/v2/models/stats`), or one model's; read on a thread (it reads files)."""
         name = request.path_params.get("model")
         try:
             if name is not None:
-                self.model.check(name, request.path_params.get("version"))
-            return JSONResponse(await run_in_threadpool(self.model.statistics))
+                self.models.find(name, request.path_params.get("version"))
+            return JSONResponse(await run_in_threadpool(self.models.statistics, name))
         except ApiError as error:
             return error.response(request.url.path)
 
     async def shared_memory(self, request: Request) -> Response:
         return tensors.not_supported(tensors.NO_SHARED_MEMORY).response(request.url.path)
 
-    def _model_ready(self) -> JSONResponse:
-        return self._readiness({"name": self.model.name})
+    def _model_ready(self, model: V2Model) -> JSONResponse:
+        return self._readiness({"name": model.name}, self.models.model_not_ready_reason(model.name))
 
-    def _readiness(self, body: dict[str, Any]) -> JSONResponse:
+    def _readiness(self, body: dict[str, Any], reason: str | None) -> JSONResponse:
         """200 `{..., "ready": true}`, or 400 `{..., "ready": false, "error": why}` (loading, draining, ...)."""
-        reason = self.model.not_ready_reason()
         if reason is None:
             return JSONResponse({**body, "ready": True})
         return JSONResponse({**body, "ready": False, "error": f"not ready: {reason}"}, status_code=NOT_READY)
 
-    async def _answer(self, request: Request, answer: Callable[[], Response]) -> Response:
+    async def _answer(self, request: Request, answer: Callable[[V2Model], Response]) -> Response:
         try:
-            self.model.check(request.path_params["model"], request.path_params.get("version"))
-            return answer()
+            return answer(self.models.find(request.path_params["model"], request.path_params.get("version")))
         except ApiError as error:
             return error.response(request.url.path)
 
     async def infer(self, request: Request) -> Response:
         try:
-            self.model.check(request.path_params["model"], request.path_params.get("version"))
-            parsed = await self._parsed(request)
+            model = self.models.find(request.path_params["model"], request.path_params.get("version"))
+            parsed = await self._parsed(request, model)
             state = request.scope["state"]
-            outputs = await self.model.infer(parsed, state["deadline"], state.get("first_byte", time.monotonic()))
+            outputs = await model.infer(parsed, state["deadline"], state.get("first_byte", time.monotonic()))
             if sum(tensors.nbytes(tensor) for _, tensor in outputs) <= INLINE_CODEC_BYTES:
-                return self._response(parsed, outputs)
-            return await run_in_threadpool(self._response, parsed, outputs)
+                return self._response(model, parsed, outputs)
+            return await run_in_threadpool(self._response, model, parsed, outputs)
         except ApiError as error:
             return error.response(request.url.path)
 
-    async def _parsed(self, request: Request) -> InferRequest:
+    async def _parsed(self, request: Request, model: V2Model) -> InferRequest:
         """The request's body inflated and parsed: on the event loop when its JSON is small and it is not compressed,
         else on the front end's codec threads (a 20 KB gzip body can inflate to max_body_bytes). Binary tensors cost
         no more than their element count, which the parser holds to max_images."""
         body, encoding = await request.body(), _encoding(request.headers.get("content-encoding"))
         header_length = request.headers.get(HEADER_LENGTH)
-        limits = (header_length, self.max_body_bytes, self.model.max_images(), self.model.binary_inputs)
+        limits = (header_length, self.max_body_bytes, model.max_images(), model.binary_inputs)
         if encoding == "identity" and tensors.json_length(len(body), header_length) <= INLINE_CODEC_BYTES:
             return parse_body(body, encoding, *limits)
-        return await self.model.inference.codec.run(parse_body, body, encoding, *limits)
+        return await model.inference.codec.run(parse_body, body, encoding, *limits)
 
-    def _response(self, request: InferRequest, outputs: list[tuple[RequestedOutput, Tensor]]) -> Response:
+    def _response(
+        self, model: V2Model, request: InferRequest, outputs: list[tuple[RequestedOutput, Tensor]]
+    ) -> Response:
         """The answer: a JSON header, then the binary outputs in order (with the header's length) if any."""
-        header: dict[str, Any] = {"model_name": self.model.name, "model_version": VERSION}
+        header: dict[str, Any] = {"model_name": model.name, "model_version": VERSION}
         if request.id is not None:
             header["id"] = request.id
         header["outputs"], blobs = [], []

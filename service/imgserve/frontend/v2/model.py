@@ -1,8 +1,8 @@
-"""The served API as the Open Inference Protocol sees it: its declared tensors, metadata, configuration and
-inference.
+"""The served models as the Open Inference Protocol sees them: each one's declared tensors, metadata, configuration
+and inference, found by name (`V2Models.find`).
 
 Both wire formats (HTTP in http.py, gRPC in grpc_service.py) convert to and from tensors.InferRequest / Tensor and
-call `ServedModel.infer`. A request's tensors carry a batch of N items along their first dimension: item i gets a
+call `V2Model.infer`. A request's tensors carry a batch of N items along their first dimension: item i gets a
 `Request` whose inputs are row i of each input tensor; the API decodes each in the front end, the workers batch
 them with every other call's, and each item's encoded answer (a dict of the declared outputs' values) becomes row i
 of each output tensor. Items whose values differ in shape are padded with the output's `pad`, or refused (400)
@@ -19,15 +19,17 @@ from typing import Any
 
 import numpy as np
 
-from imgserve.api import ImageAPI, Request, TensorSpec, encoder
-from imgserve.config import Batching, ServerSettings
+from imgserve.api import Request, TensorSpec, encoder
+from imgserve.config import ServerSettings
 from imgserve.errors import ApiError
 from imgserve.frontend.inference import Inference, Steps
 from imgserve.frontend.responding import json_bytes
 from imgserve.frontend.v2.statistics import Samples, model_statistics
 from imgserve.frontend.v2.tensors import DTYPES, InferRequest, RequestedOutput, Tensor, bad, from_raw
 from imgserve.handoff.state import SharedState
+from imgserve.litapi import LitServeAPI
 from imgserve.models.loader import is_torchscript
+from imgserve.served import Catalog, ServedModel
 from imgserve.version import __version__
 
 VERSION = "1"
@@ -45,41 +47,74 @@ def platform(model: str) -> str:
     return "pytorch_torchscript" if path.is_file() and is_torchscript(path) else "pytorch_eager"
 
 
-class ServedModel:
-    """The one API this server serves, under its name, version 1."""
+class V2Models:
+    """The models the protocol serves (every ImageAPI of the catalog), by name, version 1 each; and the server's
+    readiness, which `not_ready_reason` gives (the pod's, or one model's)."""
 
     def __init__(
         self,
-        api: ImageAPI,
-        name: str,
-        batching: Batching,
+        catalog: Catalog,
         settings: ServerSettings,
         state: SharedState,
         inference: Inference,
-        not_ready_reason: Callable[[], str | None],
+        not_ready_reason: Callable[[int | None], str | None],
     ) -> None:
-        self.api, self.name, self.batching, self.settings = api, name, batching, settings
-        self.state, self.inference, self.not_ready_reason = state, inference, not_ready_reason
-        self.platform = platform(api.model or "")
-        self.binary_inputs = frozenset(
-            spec.name for spec in api.inputs if spec.datatype == "BYTES" and spec.holds_binary
-        )
-        self._encode = encoder(api)
+        self.not_ready_reason = not_ready_reason
+        self.by_name = {
+            served.name: V2Model(served, settings, state, inference)
+            for served in catalog
+            if not isinstance(served.api, LitServeAPI)
+        }
 
-    def check(self, name: str, version: str | None = None) -> None:
-        """404 unless `name` (and `version`, if given) is the served model."""
-        if name != self.name:
-            message = f"Request for unknown model: {name[:100]!r} is not found; this server serves {self.name!r}"
+    def find(self, name: str, version: str | None = None) -> V2Model:
+        """The model `name` (and `version`, if given); 404 when this server has no such model."""
+        model = self.by_name.get(name)
+        if model is None:
+            served = ", ".join(map(repr, self.by_name))
+            message = f"Request for unknown model: {name[:100]!r} is not found; this server serves {served}"
             raise ApiError(404, "unknown_model", message)
         if version not in (None, "", VERSION):
             raise ApiError(404, "unknown_version", f"model {name!r} has only version {VERSION}, not {version[:20]!r}")
-
-    def max_images(self) -> int:
-        """The most items one request may carry (what the pod's queue holds): the parsers' bound on BYTES elements."""
-        return self.inference.admission.limit()
+        return model
 
     def server_metadata(self) -> dict[str, Any]:
         return {"name": "imgserve", "version": __version__, "extensions": EXTENSIONS}
+
+    def statistics(self, name: str | None = None) -> dict[str, Any]:
+        """The statistics extension's answer: every model's entry, or one's (statistics.py says what each figure is)."""
+        names = [name] if name is not None else list(self.by_name)
+        samples = Samples()
+        return {"model_stats": [model_statistics(model, VERSION, samples) for model in names]}
+
+    def max_images(self) -> int:
+        """The most items one request for any model may carry."""
+        return max((model.max_images() for model in self.by_name.values()), default=1)
+
+    def label(self, name: str) -> str:
+        """The model label of a call naming `name`: the name of a model served, else "" (unknown names would make
+        the label's values unbounded)."""
+        return name if name in self.by_name else ""
+
+    def model_not_ready_reason(self, name: str) -> str | None:
+        return self.not_ready_reason(self.by_name[name].served.index)
+
+
+class V2Model:
+    """One served model, under its name, version 1."""
+
+    def __init__(self, served: ServedModel, settings: ServerSettings, state: SharedState, inference: Inference) -> None:
+        self.served, self.api, self.name, self.batching = served, served.api, served.name, served.batching
+        self.settings, self.state, self.inference = settings, state, inference
+        self.platform = platform(served.api.model or "")
+        self.binary_inputs = frozenset(
+            spec.name for spec in served.api.inputs if spec.datatype == "BYTES" and spec.holds_binary
+        )
+        self._encode = encoder(served.api)
+
+    def max_images(self) -> int:
+        """The most items one request may carry (what the model's queue holds): the parsers' bound on BYTES
+        elements."""
+        return self.inference.admission.bounds(self.served.index)[1]
 
     def metadata(self) -> dict[str, Any]:
         return {
@@ -90,14 +125,10 @@ class ServedModel:
             "outputs": [_metadata(spec) for spec in self.api.outputs],
         }
 
-    def statistics(self) -> dict[str, Any]:
-        """The statistics extension's answer: this model's entry (statistics.py says what each figure is)."""
-        return {"model_stats": [model_statistics(self.name, VERSION, Samples())]}
-
     def config(self) -> dict[str, Any]:
         """The part of Triton's model configuration that clients (perf_analyzer, image_client) read."""
-        configured = self.batching.max_batch_size
-        batch = self.state.limits["max_batch_size"] or (configured if isinstance(configured, int) else 1)
+        configured, limits = self.batching.max_batch_size, self.state.models.limits(self.served.index)
+        batch = limits.batch_size if limits else (configured if isinstance(configured, int) else 1)
         several = len(self.api.inputs) > 1  # then each input is optional: the API says which it needs
         return {
             "name": self.name,
@@ -127,7 +158,8 @@ class ServedModel:
             for row in self._rows(inputs)
         ]
         deadline = min(deadline, started + _timeout_s(request.parameters.get("timeout")))
-        steps = Steps(self.api.decode_request, lambda output, call: self._values(output, call, specs), _row_bytes)
+        encode = lambda output, call: self._values(output, call, specs)  # noqa: E731
+        steps = Steps(self.served, self.api.decode_request, encode, _row_bytes)
         answers = await self.inference.run(calls, deadline, steps)
         return [(output, self._tensor(specs[output.name], output, answers)) for output in wanted]
 
