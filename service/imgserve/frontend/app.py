@@ -28,6 +28,7 @@ from imgserve.frontend.routes import Routes
 from imgserve.frontend.v2 import grpc_service
 from imgserve.frontend.v2.http import V2Routes
 from imgserve.frontend.v2.model import V2Models
+from imgserve.frontend.v2.repository import Repository, RepositoryRoutes
 from imgserve.handoff.answers import AnswerSockets
 from imgserve.handoff.requests import RequestSocket
 from imgserve.handoff.state import SharedState
@@ -55,7 +56,9 @@ class FrontEnd:
         limits = settings.part(RequestLimits)
         self.routes = Routes(state, inference, metrics_body, describe, self.serves_grpc, limits.max_image_pixels)
         self.models = V2Models(catalog, settings, state, inference, self.routes.not_ready_reason)
-        self.grpc_servicer = grpc_service.Servicer(self.models, settings, keys) if self.serves_grpc else None
+        self.repository = Repository(catalog, state, settings.model_control == "explicit")
+        servicer = grpc_service.Servicer(self.models, self.repository, settings, keys)
+        self.grpc_servicer = servicer if self.serves_grpc else None
         self.app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None, lifespan=self.lifespan)
         self._add_routes()
         self._add_middlewares(inference.admission)
@@ -78,6 +81,7 @@ class FrontEnd:
                 routes.extend(Route(path, self.routes.predict_with(model), methods=["POST"]) for path in model.paths)
         if self.models.by_name:
             routes.extend(V2Routes(self.models, self.settings.max_body_bytes).routes())
+        routes.extend(RepositoryRoutes(self.repository).routes())
         for path, endpoint in (
             ("/health/live", self.routes.live),
             ("/health/ready", self.routes.ready),

@@ -23,7 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from imgserve.config import Access
 from imgserve.errors import ApiError
-from imgserve.frontend.telemetry import DOCS_PATHS, INFER_ROUTES, V2_STATS, route
+from imgserve.frontend.telemetry import DOCS_PATHS, INFER_ROUTES, V2_REPOSITORY, V2_STATS, route
 from imgserve.metrics import API_KEY_RELOAD_FAILURES
 
 MAX_KEY_FILE_BYTES = 64 * 1024
@@ -33,10 +33,11 @@ log = logging.getLogger(__name__)
 
 
 def guarded_routes(access: Access) -> set[str]:
-    """The route labels (telemetry.route) that need a key when keys are configured: the inference routes, and with
-    protect_metrics what describes the server (/metrics, /info, /docs, /openapi.json, the v2 statistics)."""
+    """The route labels (telemetry.route) that need a key when keys are configured: the inference routes and the
+    model repository's (loads and unloads), and with protect_metrics what describes the server (/metrics, /info,
+    /docs, /openapi.json, the v2 statistics)."""
     described = {"/metrics", "/info", V2_STATS, *DOCS_PATHS} if access.protect_metrics else set()
-    return INFER_ROUTES | described
+    return INFER_ROUTES | {V2_REPOSITORY} | described
 
 
 class KeyProblem(ValueError):

@@ -25,7 +25,7 @@ ROUTES = {*PREDICT_PATHS, *DOCS_PATHS, "/health", "/health/live", "/health/ready
 # The Open Inference Protocol's routes carry the model's name: each protocol is one label for its inferences, one
 # for its statistics (guarded with /metrics) and one for the rest (health, metadata, config), whatever the model and
 # version named in the path.
-V2_INFER, V2_STATS, V2_OTHER = "/v2/infer", "/v2/stats", "/v2"
+V2_INFER, V2_STATS, V2_REPOSITORY, V2_OTHER = "/v2/infer", "/v2/stats", "/v2/repository", "/v2"
 V2_INFER_PATH = re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/infer")
 V2_MODEL_PATH = re.compile(r"/v2/models/([^/]+)(/.*)?")
 V2_STATS_PATH = re.compile(r"/v2/models(/[^/]+(/versions/[^/]+)?)?/stats")
@@ -55,6 +55,8 @@ def route(path: str) -> str:
     if path == "/v2" or path.startswith("/v2/"):
         if V2_INFER_PATH.fullmatch(path):
             return V2_INFER
+        if path.startswith(f"{V2_REPOSITORY}/"):
+            return V2_REPOSITORY
         return V2_STATS if V2_STATS_PATH.fullmatch(path) else V2_OTHER
     return "other"
 

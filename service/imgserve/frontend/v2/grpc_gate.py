@@ -1,6 +1,7 @@
 """What a gRPC call must pass before its handler runs, and the channel's limits: HTTP's limits, in gRPC's terms.
 
-Inference (ModelInfer and each ModelStreamInfer stream) needs an API key, and ModelStatistics too with
+Inference (ModelInfer and each ModelStreamInfer stream) and the repository's loads and unloads need an API key, and
+ModelStatistics too with
 `protect_metrics` (as HTTP guards /metrics), checked from the call's metadata before any message is read;
 `max_connections` bounds connections, calls in progress (more answer RESOURCE_EXHAUSTED at once) and the streams of
 one connection; `header_timeout_s` bounds a connection's handshake, its idle time, and the wait for the message of
@@ -28,6 +29,7 @@ from imgserve.frontend.v2 import tensors
 SERVICE = "/inference.GRPCInferenceService"
 INFERENCE = frozenset({f"{SERVICE}/ModelInfer", f"{SERVICE}/ModelStreamInfer"})  # as over HTTP: they need a key
 STATISTICS = f"{SERVICE}/ModelStatistics"
+REPOSITORY = frozenset({f"{SERVICE}/RepositoryModelLoad", f"{SERVICE}/RepositoryModelUnload"})  # as over HTTP
 # The largest message gRPC and protobuf carry. An answer is bounded before its compute, as over HTTP, by the request's
 # images (at most the pod's queue) x the pixel limit; a smaller send limit could only refuse an answer already made.
 MAX_MESSAGE = 2**31 - 1
@@ -44,6 +46,7 @@ class Gate(grpc.aio.ServerInterceptor):
     def __init__(self, keys: Keys, settings: ServerSettings) -> None:
         self.keys, self.timeout = keys, settings.header_timeout_s
         self.guarded = {method: telemetry.GRPC_INFER for method in INFERENCE}  # the label a refusal counts under
+        self.guarded |= {method: telemetry.GRPC_OTHER for method in REPOSITORY}
         if settings.protect_metrics:
             self.guarded[STATISTICS] = telemetry.GRPC_OTHER
 

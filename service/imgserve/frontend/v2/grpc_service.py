@@ -32,6 +32,7 @@ from imgserve.frontend.auth import Keys
 from imgserve.frontend.v2 import grpc_stream, tensors
 from imgserve.frontend.v2.grpc_gate import Gate, options
 from imgserve.frontend.v2.model import VERSION, V2Models
+from imgserve.frontend.v2.repository import Repository
 from imgserve.frontend.v2.tensors import InferRequest, RequestedOutput, Tensor
 
 log = logging.getLogger(__name__)
@@ -97,11 +98,11 @@ def _rpc(label: str) -> Callable[[Handler], Handler]:
 
 
 class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
-    """The core RPCs, ModelConfig (perf_analyzer -i grpc needs it), ModelStreamInfer and ModelStatistics; the
-    shared-memory RPCs answer that they are not supported; the rest answer UNIMPLEMENTED."""
+    """The core RPCs, ModelConfig (perf_analyzer -i grpc needs it), ModelStreamInfer, ModelStatistics and the model
+    repository's; the shared-memory RPCs answer that they are not supported; the rest answer UNIMPLEMENTED."""
 
-    def __init__(self, models: V2Models, settings: ServerSettings, keys: Keys) -> None:
-        self.models, self.settings, self.keys = models, settings, keys
+    def __init__(self, models: V2Models, repository: Repository, settings: ServerSettings, keys: Keys) -> None:
+        self.models, self.repository, self.settings, self.keys = models, repository, settings, keys
 
     @_rpc(telemetry.GRPC_OTHER)
     async def ServerLive(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -138,6 +139,21 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
             self.models.find(request.name, request.version)
         statistics = await asyncio.to_thread(self.models.statistics, request.name or None)
         return json_format.ParseDict(statistics, service_pb2.ModelStatisticsResponse())
+
+    @_rpc(telemetry.GRPC_OTHER)
+    async def RepositoryIndex(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        models = [service_pb2.RepositoryIndexResponse.ModelIndex(**m) for m in self.repository.index(request.ready)]
+        return service_pb2.RepositoryIndexResponse(models=models)
+
+    @_rpc(telemetry.GRPC_OTHER)
+    async def RepositoryModelLoad(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self.repository.load(request.model_name)
+        return service_pb2.RepositoryModelLoadResponse()
+
+    @_rpc(telemetry.GRPC_OTHER)
+    async def RepositoryModelUnload(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await self.repository.unload(request.model_name)
+        return service_pb2.RepositoryModelUnloadResponse()
 
     @_rpc(telemetry.GRPC_OTHER)
     async def _no_shared_memory(self, request: Any, context: grpc.aio.ServicerContext) -> Any:

@@ -33,7 +33,7 @@ from imgserve.served import Catalog, ServedModel
 from imgserve.version import __version__
 
 VERSION = "1"
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "classification", "statistics"]
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "classification", "statistics", "model_repository"]
 
 
 def platform(model: str) -> str:
