@@ -84,6 +84,8 @@ def _accepts(annotation: object) -> list[str]:
         return [f"`{value}`" for value in typing.get_args(annotation)]
     if origin is tuple:
         return [f"{len(typing.get_args(annotation))} comma-separated numbers"]
+    if origin is list:
+        return ["text (the flag repeated, or comma-separated in the variable)"]
     return {bool: ["`true`", "`false`"], int: ["integer"], float: ["number"], str: ["text"]}.get(annotation, ["text"])
 
 
@@ -102,7 +104,7 @@ def default(field: FieldInfo) -> str:
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
     if isinstance(value, tuple | list):
-        return "`" + ",".join(str(part) for part in value) + "`"
+        return "`" + ",".join(str(part) for part in value) + "`" if value else "none"
     return f"`{value}`"
 
 

@@ -322,7 +322,11 @@ def _refusal(memory: DeviceMemory, needs: Sequence[ModelNeed], too_big: list[Mod
         batch = 1 if need.batch_size == "auto" else need.batch_size
         batch_bytes = need.measured.bytes_per_element * need.measured.example_elements * batch if need.measured else 0
         described.append(f"{need.name} {mib(need.weight_bytes)} weights + {mib(batch_bytes)} per batch of {batch}")
-    what = f"{', '.join(n.name for n in too_big)} do(es) not fit" if too_big else "the models do not fit"
+    names = ", ".join(need.name for need in too_big)
+    if per_worker <= 0 or not too_big:
+        what = "the models do not fit"
+    else:
+        what = f"model {names} does not fit" if len(too_big) == 1 else f"models {names} do not fit"
     return (
         f"{what} on {memory.device}: {'; '.join(described)}; {memory.workers} worker(s) x "
         f"{mib(memory.overhead_bytes)} each, {mib(memory.reserved_bytes)} kept for request slots; the device's "

@@ -16,7 +16,7 @@ from imgserve.models.loader import ModelLoadError
 from imgserve.models.outputs import to_pixels
 from imgserve.startup import time_batch
 from imgserve.testing import InProcess
-from imgserve.worker.batching import MemoryPlan, Shape, plan_chunks
+from imgserve.worker.batching import Shape, plan_chunks
 
 NHWC = torch.channels_last
 SIZES = [(32, 40), (32, 40), (24, 24), (64, 48), (24, 24), (40, 32)]
@@ -118,15 +118,12 @@ def test_out_of_memory_splits_down_to_single_images() -> None:
     assert len(splits) >= 3
 
 
-def test_the_memory_plan_scales_the_batch_with_the_item_size() -> None:
-    plan = MemoryPlan(bytes_per_element=100.0, budget_bytes=100 * 1_000_000)
-    assert plan.element_budget == 1_000_000
-    assert plan.batch_size_for(250_000) == 4
-    assert plan.batch_size_for(4_000_000) == 1
+def test_the_example_request_is_measured_per_element() -> None:
     running = built_in(pad=False)
-    measured = running.runner.measure(running.api.decode_request(running.api.example_request()), 0.5)
+    item = running.api.decode_request(running.api.example_request())
+    measured = running.runner.measure(item)
     assert measured.bytes_per_element >= 2 * 4  # at least the fp32 input and output
-    assert measured.element_budget > 0
+    assert measured.example_elements == item.size and running.runner.bytes_per_element == measured.bytes_per_element
 
 
 def test_a_failing_image_fails_alone() -> None:
@@ -185,17 +182,6 @@ def test_a_model_answering_with_a_broadcast_view_still_gets_its_pixels() -> None
     [output] = built_in(pad=False, model=Grey()).predict([image])
     assert output.shape == image.shape and (output == output[0, 0, 0]).all()
     assert abs(int(output[0, 0, 0]) - round(float(image.mean()))) <= 1
-
-
-def test_the_memory_plan_shares_the_fraction_among_the_devices_workers_and_keeps_room_for_slots() -> None:
-    running = built_in(pad=False)
-    item = running.api.decode_request(running.api.example_request())
-    alone = running.runner.measure(item, 0.8).budget_bytes
-    room = alone // 4
-    shared = running.runner.measure(item, 0.8, sharers=4, reserved_bytes=room)
-    assert abs(4 * shared.budget_bytes + room - alone) < 0.05 * alone  # MemAvailable moves a little in between
-    huge = running.runner.measure(item, 0.8, sharers=1, reserved_bytes=2**50)
-    assert abs(2 * huge.budget_bytes - alone) < 0.05 * alone  # the slots' room is at most half
 
 
 def test_the_probe_times_the_batch_work_and_the_predict_call() -> None:

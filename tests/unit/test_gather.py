@@ -65,7 +65,7 @@ def taken(state: SharedState) -> list[int]:
 
 def test_an_idle_worker_blocks_on_the_socket_instead_of_polling(setup) -> None:
     gatherer, state, requests = setup
-    assert gatherer.batch(max_size=4, timeout_s=0.01) == []
+    assert gatherer.batch(lambda model: 4, lambda model: 0.01) == []
     assert requests.reads == [("get", IDLE_WAIT_S)]
 
 
@@ -75,7 +75,7 @@ def test_a_backlog_is_taken_at_once_up_to_the_batch_size(setup) -> None:
     for i in range(6):
         put(requests, request(i, long_ago))
     admit(state, 6)
-    batch = gatherer.batch(max_size=4, timeout_s=1.0)
+    batch = gatherer.batch(lambda model: 4, lambda model: 1.0)
     assert [message.uid for message in batch] == ["u0", "u1", "u2", "u3"]
     assert batch[0] == request(0, long_ago)
     assert requests.reads[1:] == [("get_nowait", None)] * 3, "the window had closed: nothing is waited for"
@@ -86,7 +86,7 @@ def test_a_lone_request_does_not_wait_for_company(setup) -> None:
     gatherer, state, requests = setup
     put(requests, request(5, time.monotonic()))
     admit(state, 1)
-    batch = gatherer.batch(max_size=8, timeout_s=30.0)
+    batch = gatherer.batch(lambda model: 8, lambda model: 30.0)
     assert [message.uid for message in batch] == ["u5"]
     assert requests.reads == [("get", IDLE_WAIT_S)], "no other request was admitted, so none was waited for"
     assert taken(state) == [5]
@@ -97,7 +97,7 @@ def test_a_batch_waits_within_its_window_for_requests_already_admitted(setup) ->
     put(requests, request(0, time.monotonic()))
     admit(state, 2)  # the second is still being read and decoded by the front end
     threading.Timer(0.2, put, args=(requests, request(1, time.monotonic()))).start()
-    batch = gatherer.batch(max_size=8, timeout_s=30.0)
+    batch = gatherer.batch(lambda model: 8, lambda model: 30.0)
     assert [message.uid for message in batch] == ["u0", "u1"]
     method, timeout = requests.reads[1]
     assert method == "get" and timeout is not None and 0 < timeout <= 30.0
@@ -110,9 +110,25 @@ def test_a_request_whose_slot_moved_on_is_dropped_and_the_next_one_taken(setup) 
     put(requests, request(1, time.monotonic()))
     put(requests, request(2, time.monotonic()))
     admit(state, 2)
-    batch = gatherer.batch(max_size=8, timeout_s=0.05)
+    batch = gatherer.batch(lambda model: 8, lambda model: 0.05)
     assert [message.uid for message in batch] == ["u2"]
     assert state.taken_by(1, 101) is None and state.taken_by(1, 999) is None, "slot 1's new request is untouched"
+
+
+def test_batches_never_mix_models_and_a_request_taken_for_another_model_comes_next(tmp_path: Path) -> None:
+    """Requests of two models, queued in turns: each batch holds one model's, in order; what was taken meanwhile for
+    the other model waits in the worker and opens the next batch."""
+    state = SharedState(workers=WORKER + 1, request_slots=8, models=2)
+    requests = RecordingSocket(tmp_path)
+    gatherer = Gatherer(requests, state, WORKER)
+    long_ago = time.monotonic() - 10
+    for i in range(6):
+        state.set_owner(i, 100 + i)
+        put(requests, RequestMessage(0, f"u{i}", i, 100 + i, i % 2, long_ago, long_ago + 60, {"pixels": i}))
+        assert state.try_admit(limit=100, model=i % 2)
+    batches = [gatherer.batch(lambda model: 8, lambda model: 1.0) for _ in range(3)]
+    assert [[message.uid for message in batch] for batch in batches] == [["u0", "u2", "u4"], ["u1", "u3", "u5"], []]
+    assert taken(state) == [0, 1, 2, 3, 4, 5]
 
 
 def test_a_stale_ticket_in_a_reused_slot_is_not_taken_for_the_new_request() -> None:
@@ -127,7 +143,11 @@ def test_a_stale_ticket_in_a_reused_slot_is_not_taken_for_the_new_request() -> N
 class FailsOnTwoAndThree:
     """A worker whose batch fails outside the API's hooks when it holds request 2 or 3."""
 
-    max_batch_size = 2
+    def batch_size(self, model: int) -> int:
+        return 2
+
+    def batch_timeout_s(self, model: int) -> float:
+        return 0.01
 
     def answer(self, requests: list[RequestMessage]) -> list[Any]:
         if any(message.item["pixels"] in (2, 3) for message in requests):
@@ -149,7 +169,8 @@ def test_the_loop_answers_each_request_and_a_batch_that_failed_outside_the_hooks
         put(requests, request(i, long_ago))
     admit(state, 5)
     worker: Any = FailsOnTwoAndThree()
-    threading.Thread(target=process.serve, args=(worker, gatherer, answers, 0.01), daemon=True).start()
+    control = process.Control(worker, None)
+    threading.Thread(target=process.serve, args=(worker, gatherer, answers, control), daemon=True).start()
     got: list[tuple[str, Any]] = []
     deadline = time.monotonic() + 10
     while len(got) < 5 and time.monotonic() < deadline:

@@ -17,7 +17,7 @@ ROLES = {
     "frontend": {"handoff", "models"},
     "worker": {"handoff", "models"},
     "handoff": set(),
-    "supervisor": {"handoff"},
+    "supervisor": {"handoff", "models"},  # models: the shared weights of what it loads
     "models": set(),
     "tools": {"models"},
 }
@@ -35,11 +35,24 @@ TOP_LEVEL: dict[str, set[str]] = {
     "imgserve.metrics": set(),
     "imgserve.pins": set(),
     "imgserve.pod": set(),
+    "imgserve.served": set(),  # the catalog of the server's models, in every process
     "imgserve.version": set(),
     "imgserve": {"imgserve.cli"},  # the public names, `serve` among them (imported on first use)
-    "imgserve.startup": {"models", "worker"},  # the main process, before the composition root builds the server
+    "imgserve.startup": {"models", "worker"},
+    "imgserve.repository": {
+        "models",
+        "imgserve.startup",
+    },  # the models asked for, into the catalog  # the main process, before the composition root builds the server
     "imgserve.testing": {"worker"},  # a user's hooks run in the test's own process
-    "imgserve.server": {"frontend", "handoff", "models", "supervisor", "worker", "imgserve.startup"},  # builds all
+    "imgserve.server": {
+        "frontend",
+        "handoff",
+        "models",
+        "supervisor",
+        "worker",
+        "imgserve.startup",
+        "imgserve.repository",
+    },  # builds all
     "imgserve.cli": {"handoff", "tools", "imgserve.server"},  # the command: the only importer of the composition root
     "imgserve.__main__": {"imgserve.cli"},
 }

@@ -29,18 +29,30 @@ def test_a_two_core_cpu_pod_as_these_machines_run_it() -> None:
     )
     assert plan.codec_threads_per_front_end == 1
     assert tuple(plan.torch_threads) == (2, 1)
-    assert (plan.batch_size, plan.largest_batch) == (8, 8)
-    assert plan.queue_bound(8) == 8 * 2 * 4 and plan.slots_per_front_end == 2 * 64
+    assert plan.largest_queue == 8 * 2 * 4
+    assert plan.queue_bound([8]) == 8 * 2 * 4 and plan.slots_per_front_end == 2 * 64
     assert plan.reserved_slot_bytes == 64 * 3 * Settings().max_image_pixels
     assert (plan.passive_openmp, plan.warnings) == (True, [])
 
 
 def test_max_batch_size_auto_starts_at_one_and_makes_room_for_the_largest_batch() -> None:
     plan = plan_pod(Settings(max_batch_size="auto", max_queue_depth=0), machine(cpus=4))
-    assert (plan.batch_size, plan.largest_batch) == (1, pod.AUTO_BATCH_CAP)
+    assert plan.largest_queue == pod.AUTO_BATCH_CAP * plan.workers * pod.QUEUED_BATCHES_PER_WORKER
     assert plan.slots_per_front_end == 2 * pod.AUTO_BATCH_CAP * plan.workers * pod.QUEUED_BATCHES_PER_WORKER
-    assert plan.queue_bound(16) == 16 * plan.workers * pod.QUEUED_BATCHES_PER_WORKER  # what the workers settled on
-    assert plan_pod(Settings(max_queue_depth=50), machine()).queue_bound(16) == 50  # the operator's bound holds
+    assert plan.queue_bound([16]) == 16 * plan.workers * pod.QUEUED_BATCHES_PER_WORKER  # what the workers settled on
+    assert plan_pod(Settings(max_queue_depth=50), machine()).queue_bound([16]) == 50  # the operator's bound holds
+
+
+def test_several_models_each_have_their_queue_bound_inside_the_pods() -> None:
+    """Each model's bound is its own batches' (within max_queue_depth); the pod's is theirs together, or
+    max_queue_depth; the slots make room for every model's largest queue."""
+    plan = plan_pod(Settings(max_queue_depth=0), machine(cpus=2), [8, "auto", 2])
+    per_batch = plan.workers * pod.QUEUED_BATCHES_PER_WORKER
+    assert plan.largest_queue == (8 + pod.AUTO_BATCH_CAP + 2) * per_batch
+    assert [plan.model_queue_bound(size) for size in (8, 2)] == [8 * per_batch, 2 * per_batch]
+    assert plan.queue_bound([8, 2]) == 10 * per_batch
+    bounded = plan_pod(Settings(max_queue_depth=20), machine(cpus=2), [8, 2])
+    assert (bounded.queue_bound([8, 2]), bounded.model_queue_bound(8), bounded.model_queue_bound(2)) == (20, 20, 16)
 
 
 def test_workers_per_device_auto_is_one_per_core_on_a_cpu_and_from_the_probe_on_a_gpu() -> None:

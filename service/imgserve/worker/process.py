@@ -79,10 +79,9 @@ def serve(worker: Worker, gatherer: Gatherer, answers: AnswerSockets, control: C
     """Follow the main process's commands, take a batch, answer it, send each answer to its front end; give memory
     back once idle."""
     busy_at: float | None = None
-    timeout = lambda model: worker.catalog[model].batching.batch_timeout_ms / 1000  # noqa: E731
     while True:
         control.follow()
-        batch = gatherer.batch(worker.batch_size, timeout)
+        batch = gatherer.batch(worker.batch_size, worker.batch_timeout_s)
         if not batch:
             if busy_at is not None and time.monotonic() - busy_at > TRIM_AFTER_IDLE_S:
                 worker.release_memory()

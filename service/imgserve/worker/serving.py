@@ -113,6 +113,10 @@ class Worker:
         configured = self.catalog[model].batching.max_batch_size
         return configured if isinstance(configured, int) else 1
 
+    def batch_timeout_s(self, model: int) -> float:
+        """How long a batch of `model` may wait to fill, from its oldest request's hand-off."""
+        return self.catalog[model].batching.batch_timeout_ms / 1000
+
     # Batches.
     def answer(self, requests: list[RequestMessage]) -> list[Any]:
         """One answer per request message (all of one model): what is past its deadline is never computed (504); the
