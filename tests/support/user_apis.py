@@ -4,6 +4,7 @@ of imgserve's guarantees needs. None of them is imgserve's built-in API; each is
 The tests steer them through environment variables, which every process of the server inherits:
 - USER_API_DELAY_S: the seconds each `predict` of `Slow` sleeps;
 - USER_API_CALLS: a file that each `predict` appends the tags of its batch to, one a line (what reached the model);
+- USER_API_BATCHES: a file that each `predict` appends one line to: the tags of its batch (how batches were made);
 - USER_API_EXAMPLE_SIDE: the side of `Hungry`'s example image (what the memory budget is measured on);
 - USER_API_MODEL: the weights file `Loaded` serves through imgserve's loader.
 
@@ -29,11 +30,15 @@ HUNGRY_BYTES_PER_ELEMENT = 128  # what Hungry's predict holds at its peak for ea
 
 
 def _record(tags: list[str]) -> None:
-    """Append the batch's tags to USER_API_CALLS (one write: whole lines, whichever worker writes)."""
-    path = os.environ.get("USER_API_CALLS")
+    """Append the batch's tags to USER_API_CALLS, and the batch as one line to USER_API_BATCHES (one write each:
+    whole lines, whichever worker writes)."""
+    path, batches = os.environ.get("USER_API_CALLS"), os.environ.get("USER_API_BATCHES")
     if path and tags:
         with open(path, "a") as calls:
             calls.write("".join(f"{tag}\n" for tag in tags))
+    if batches and tags:
+        with open(batches, "a") as made:
+            made.write(" ".join(tags) + "\n")
 
 
 def recorded(path: str | os.PathLike) -> list[str]:

@@ -1,7 +1,7 @@
 """The served models in an inference worker: each set up and measured when it is loaded, then each gathered batch of
 request messages (all of one model) answered.
 
-`set_up` loads a model's API on the worker's device and measures, on the API's example request, the memory a batch
+`set_up` loads a model's API (a fresh copy of the catalog's) on the worker's device and measures, on the API's example request, the memory a batch
 needs per element; the main process fits every model into the device's memory from what the workers measured and
 gives each its batch limits (pod.fit_models). `answer` takes a batch of one model's request messages: items past
 their deadline are answered 504 and never computed; the others are read from their slots (views, no copy), run
@@ -12,6 +12,8 @@ Every failure is that item's answer; the worker survives them all. A model is se
 
 from __future__ import annotations
 
+import copy
+import gc
 import logging
 import threading
 import time
@@ -67,18 +69,19 @@ class Worker:
         """Set up model `model` on this worker's device around its shared `weights`, warm it up and measure it; then
         say it is held. A failure is the model's ModelLoadError (also said in the shared state)."""
         served, device = self.catalog[model], self.device
-        api = served.api
+        api = copy.copy(served.api)  # set up fresh at each load; let go with its runner when unloaded
         try:
             api.model_loader = shared_model_loader(api, weights, self.plan.trust_pickle)
-            _reported(f"{served.name}: the API's setup failed on {device}", api.setup, device)
+            _reported(f"the API's setup failed on {device}", api.setup, device)
             api.device = device  # as LitServe sets it after setup
             runner = BatchRunner(api, torch.device(device), on_oom=metrics.OOM_SPLITS.labels(served.name).inc)
             with self.batches:
-                measured = _reported(f"{served.name}: the API failed on its example request", _measure, runner)
+                measured = _reported("the API failed on its example request", _measure, runner)
         except ModelLoadError as exc:
-            self.state.models.note_failure(model, str(exc))
+            reason = f"model {served.name}: {exc}" if len(self.catalog) > 1 else str(exc)  # which, among several
+            self.state.models.note_failure(model, reason)
             self.state.models.hold(self.index, model, FAILED)
-            raise
+            raise ModelLoadError(reason) from exc
         if measured is not None:
             self.state.models.measure(model, measured)
         self.runners[model] = runner
@@ -92,6 +95,7 @@ class Worker:
         if runner is not None:
             runner.api.release_memory()
             del runner
+            gc.collect()  # the model's module and tensors, whatever cycles hold them
             heap.trim()
             if self.device.startswith("cuda"):
                 torch.cuda.empty_cache()

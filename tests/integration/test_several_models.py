@@ -1,0 +1,136 @@
+"""Several models in one server, as users name them (a model repository, repeated --api, imgserve.serve([...])): each
+at its own path and under its own name, one catalog in every process, batches that never mix models, per-model
+metrics and /info, and the mistakes (two models on one name or one path) stopped in one line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from repositories import write_repository
+from serving import SOURCE, SUPPORT, image_bytes, running_server
+from user_apis import recorded
+
+from imgserve.testing import free_port
+
+PNG = {"Content-Type": "image/png"}
+IMAGE = image_bytes(32, 24)
+
+
+def repository(tmp_path: Path) -> Path:
+    """Two built-in models, a user's ImageAPI at its own path and a plain LitAPI at its own."""
+    return write_repository(
+        tmp_path / "models",
+        {
+            "denoiser": {"model": "builtin:denoiser"},
+            "second": {"model": "builtin:denoiser", "max_batch_size": 2},
+            "tagged": {"api": "user_apis:Tagged", "api_path": "/tagged"},
+            "pipeline": {"api": "examples.litserve_api:InferencePipeline", "api_path": "/pipeline"},
+        },
+    )
+
+
+def test_each_model_answers_at_its_path_and_under_its_name(tmp_path: Path) -> None:
+    with running_server(tmp_path, model_repository=repository(tmp_path), grpc_port=free_port()) as server:
+        for name in ("denoiser", "second"):
+            answer = httpx.post(f"{server.url}/{name}/predict", content=IMAGE, headers=PNG, timeout=30)
+            assert (answer.status_code, answer.headers["content-type"]) == (200, "image/jpeg"), answer.text
+        tagged = httpx.post(f"{server.url}/tagged?tag=one", content=IMAGE, headers=PNG, timeout=30)
+        assert tagged.json()["tag"] == "one"
+        assert httpx.post(f"{server.url}/pipeline", json={"input": 4.0}).json() == {"output": 80.0}
+        assert httpx.post(f"{server.url}/predict", content=IMAGE, headers=PNG).status_code == 404  # no model there
+        client = httpclient.InferenceServerClient(server.address)
+        assert {model["name"] for model in client.get_model_repository_index()} == {
+            "denoiser",
+            "second",
+            "tagged",
+            "pipeline",
+        }
+        assert client.get_model_metadata("second")["name"] == "second"
+        assert client.get_model_config("second")["max_batch_size"] == 2
+        grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{server.grpc_port}")
+        assert grpc.is_model_ready("tagged") and grpc.get_model_metadata("denoiser").name == "denoiser"
+        info = httpx.get(f"{server.url}/info").json()
+        described = {model["name"]: model for model in info["models"]}
+        assert described["tagged"]["path"] == "/tagged" and described["second"]["max_batch_size"] == 2
+        assert {model["state"] for model in info["models"]} == {"READY"}
+        assert server.metric("imgserve_requests_total", model="second", code="200") >= 1
+        assert server.metric("imgserve_batch_size_count", model="tagged") == 1
+        assert server.metric("imgserve_model_info", model="pipeline", source="examples.litserve_api.InferencePipeline")
+
+
+def test_batches_never_mix_models(tmp_path: Path) -> None:
+    """Two models of the same API, each recording the tags of every batch it runs: each batch holds one model's."""
+    batches = tmp_path / "batches"
+    os.environ["USER_API_BATCHES"] = str(batches)
+    models = {
+        "left": {"api": "user_apis:Slow", "api_path": "/left", "max_batch_size": 8, "batch_timeout_ms": 200},
+        "right": {"api": "user_apis:Slow", "api_path": "/right", "max_batch_size": 8, "batch_timeout_ms": 200},
+    }
+    sides = ["left", "right"] * 6
+    try:
+        repository = write_repository(tmp_path / "m", models)
+        with running_server(tmp_path, model_repository=repository) as server, httpx.Client(timeout=30) as client:
+
+            def post(i: int) -> int:
+                return client.post(f"{server.url}/{sides[i]}?tag={sides[i]}{i}", content=IMAGE, headers=PNG).status_code
+
+            with ThreadPoolExecutor(12) as pool:
+                assert set(pool.map(post, range(12))) == {200}
+    finally:
+        os.environ.pop("USER_API_BATCHES", None)
+    made = [line.split() for line in recorded(batches)]
+    assert sorted(tag for batch in made for tag in batch) == sorted(f"{side}{i}" for i, side in enumerate(sides))
+    assert all(len({tag.rstrip("0123456789") for tag in batch}) == 1 for batch in made), made
+    assert max(len(batch) for batch in made) > 1, "nothing was batched"
+
+
+def failed_start(*flags: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "imgserve", "serve", "--host", "127.0.0.1", "--port", str(free_port()), *flags]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("IMGSERVE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(SUPPORT), str(SOURCE)])
+    return subprocess.run([*command, "--grpc-port", "0"], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_two_models_on_one_name_or_one_path_stop_the_start_in_one_line(tmp_path: Path) -> None:
+    same_name = failed_start("--api", "user_apis:Tagged", "--api", "user_apis:Slow", "--model-name", "x")
+    assert same_name.returncode == 2 and "--model-name names the one model" in same_name.stderr.strip().splitlines()[-1]
+    twice = failed_start("--api", "user_apis:Tagged", "--api", "user_apis:Tagged")
+    assert twice.returncode == 2 and twice.stderr.strip().splitlines()[-1].endswith(
+        "imgserve: two models are named 'Tagged': each model's name must be its own"
+    )
+    one_path = failed_start("--api", "user_apis:Tagged", "--api", "user_apis:Slow")
+    assert one_path.returncode == 2 and one_path.stderr.strip().splitlines()[-1].endswith(
+        "imgserve: models Tagged, Slow are all at /predict: give each its own api_path"
+    )
+    assert "Traceback" not in twice.stderr + one_path.stderr
+
+
+def test_imgserve_serve_takes_a_list_of_apis_as_litserve_does(tmp_path: Path) -> None:
+    """`imgserve.serve([A(), B()])`: each API at its own api_path."""
+    port = free_port()
+    script = (
+        "import imgserve, user_apis; "
+        "imgserve.serve([user_apis.Tagged(api_path='/a'), user_apis.Slow(api_path='/b')], host='127.0.0.1', "
+        f"port={port}, grpc_port=0, api_servers=1, workers_per_device=1)"
+    )
+    env = {key: value for key, value in os.environ.items() if not key.startswith(("IMGSERVE_", "PROMETHEUS"))}
+    env["PYTHONPATH"] = os.pathsep.join([str(SUPPORT), str(SOURCE)])
+    env["USER_API_DELAY_S"] = "0"
+    from imgserve.testing import start, stop, wait_ready
+
+    server = start([sys.executable, "-c", script], port, tmp_path / "serve.log", env)
+    try:
+        wait_ready(server, 120)
+        assert httpx.post(f"{server.url}/a?tag=x", content=IMAGE, headers=PNG).json()["tag"] == "x"
+        assert httpx.post(f"{server.url}/b?tag=y", content=IMAGE, headers=PNG).json()["tag"] == "y"
+        names = {model["name"] for model in httpx.get(f"{server.url}/info").json()["models"]}
+        assert names == {"Tagged", "Slow"}
+    finally:
+        stop(server)
