@@ -37,7 +37,7 @@ from imgserve.frontend.inference import CodecThreads, Inference
 from imgserve.handoff.answers import AnswerSockets
 from imgserve.handoff.directory import ServerDirectory
 from imgserve.handoff.dispatch import Dispatcher
-from imgserve.handoff.requests import RequestSocket
+from imgserve.handoff.requests import ModelRequests
 from imgserve.handoff.state import SharedState
 from imgserve.models import outputs
 from imgserve.models.builtin import LocalKinds, ModelAPI, pads
@@ -315,7 +315,8 @@ def processes(pod: Pod, directory: ServerDirectory, keys: Keys) -> Processes:
     admission = Admission(state, catalog, settings.retry_after_s, pod.bounds)
     dispatcher = Dispatcher(state, directory.slots, plan.slots_per_front_end, settings.retry_after_s)
     inference = Inference(dispatcher, admission, CodecThreads(plan.codec_threads_per_front_end))
-    requests, answers = RequestSocket(directory.root), AnswerSockets(directory.root, plan.front_ends)
+    requests = ModelRequests(directory.root, len(catalog))
+    answers = AnswerSockets(directory.root, plan.front_ends)
     facts = telemetry.PodFacts(
         [telemetry.ModelFacts(m.name, m.api.describe(), m.api.precision or "") for m in catalog],
         plan.devices,

@@ -19,7 +19,7 @@ import torch
 from serving import image_bytes, start_server, stop_server, wait_ready
 
 from imgserve.api import ImageAPI, Request
-from imgserve.config import Settings
+from imgserve.config import Batching, Settings
 from imgserve.errors import ApiError
 from imgserve.handoff import items, wire
 from imgserve.handoff import slots as pixel_slots
@@ -27,13 +27,14 @@ from imgserve.handoff.answers import AnswerSockets
 from imgserve.handoff.directory import LOCK, PREFIX, ServerDirectory
 from imgserve.handoff.dispatch import WORKER_CHECK_S, Dispatcher
 from imgserve.handoff.items import InSlot
-from imgserve.handoff.requests import RequestSocket
+from imgserve.handoff.requests import ModelRequests
 from imgserve.handoff.slots import SlotFiles
 from imgserve.handoff.state import SharedState
 from imgserve.models.builtin import LocalKinds, ModelAPI
 from imgserve.models.denoiser import build_denoiser
 from imgserve.models.shared import SharedWeights
 from imgserve.pod import TorchThreads
+from imgserve.served import Catalog, ServedModel
 from imgserve.testing import InProcess
 from imgserve.worker.serving import Worker, WorkerPlan
 from loadtests.lib.closed_loop import run_closed_loop
@@ -92,16 +93,16 @@ def test_a_new_server_removes_the_directories_of_dead_servers_only(tmp_path: Pat
     assert not live.root.exists() and not third.root.exists()
 
 
-def worker_plan(slot_dir: Path, batch_size: int, threads: TorchThreads = ONE_THREAD) -> WorkerPlan:
-    """One worker alone on its device, loading its own copy of the model."""
-    weights = SharedWeights(0, reason="a test worker")
-    return WorkerPlan(slot_dir, weights, batch_size, 0.0, False, threads, 1, 0, 0.8, False)
+def worker_plan(slot_dir: Path, batch_size: int, threads: TorchThreads = ONE_THREAD) -> tuple[WorkerPlan, Batching]:
+    """One worker alone on its device, loading its own copy of the model; its batching."""
+    return WorkerPlan(slot_dir, threads, False), Batching(max_batch_size=batch_size)
 
 
-def set_up(api: ImageAPI, state: SharedState, plan: WorkerPlan) -> Worker:
-    """A worker's API set up on the CPU, as a worker process does it."""
-    worker = Worker(api, state, plan, "cpu")
-    worker.setup()
+def set_up(api: ImageAPI, state: SharedState, plan: tuple[WorkerPlan, Batching]) -> Worker:
+    """A worker's one model set up on the CPU, as a worker process does it (its own copy of the weights)."""
+    catalog = Catalog([ServedModel(0, "model", api, plan[1])])
+    worker = Worker(catalog, state, plan[0], 0, "cpu")
+    worker.set_up(0, SharedWeights(0, reason="a test worker"))
     return worker
 
 
@@ -191,7 +192,7 @@ def test_a_result_is_not_written_into_a_slot_that_moved_on(slot_dir: Path, resto
     def front_end_moves_on() -> None:  # request 5 got its 504; request 99 now holds slot 0 and placed its pixels
         queued(files, state, 0, 99, successor)
 
-    api.meanwhile = front_end_moves_on
+    worker.runners[0].api.meanwhile = front_end_moves_on  # the worker's own copy of the API, set up
     (answer,) = worker.answer([request])
     assert isinstance(answer, ApiError) and (answer.status, answer.code) == (504, "deadline"), answer
     assert (files.read(0, successor.shape) == successor).all(), "the late result overwrote the next request's pixels"
@@ -202,12 +203,13 @@ def test_a_result_is_not_written_into_a_slot_that_moved_on(slot_dir: Path, resto
 def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its_answer(slot_dir: Path) -> None:
     """Plays the worker by hand on the real request and answer sockets."""
     state = SharedState(workers=1, request_slots=4)
-    requests, answers = RequestSocket(slot_dir.parent), AnswerSockets(slot_dir.parent, 1)
+    model_requests, answers = ModelRequests(slot_dir.parent, 1), AnswerSockets(slot_dir.parent, 1)
+    requests = model_requests[0]
     dispatcher = Dispatcher(state, slot_dir, slots_per_front_end=2, retry_after_s=1)
     image = np.random.default_rng(1).integers(0, 256, (512, 512, 3), dtype=np.uint8)
 
     async def handler(timeout: float) -> object:
-        async with dispatcher.slot() as slot:
+        async with dispatcher.slot(0, "denoiser") as slot:
             item = slot.place(image)
             return slot.result(await slot.submit(item, time.monotonic() + timeout))
 
@@ -223,7 +225,7 @@ def test_the_dispatcher_sends_small_messages_and_holds_a_given_up_slot_until_its
         files.close()
 
     async def scenario() -> None:
-        dispatcher.start(0, requests, answers.receiver(0))
+        dispatcher.start(0, model_requests, answers.receiver(0))
         task = asyncio.create_task(handler(timeout=30))
         message = await asyncio.to_thread(requests.get, timeout=5)
         assert len(wire.pack_request(message)) < SMALL_MESSAGE, "pixels went through the queue"

@@ -1,5 +1,6 @@
-"""How a worker gathers a batch off the real request socket: block when idle, never wait without cause, mark in
-shared memory which worker took which request; and how its loop answers each request of a batch."""
+"""How a worker gathers a batch off the real request sockets (one per model): block when idle, never wait without
+cause, take the models in turns, mark in shared memory which worker took which request; and how its loop answers each
+request of a batch."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from imgserve.errors import ApiError
 from imgserve.handoff import wire
 from imgserve.handoff.answers import AnswerSockets
-from imgserve.handoff.requests import RequestSocket
+from imgserve.handoff.requests import ModelRequests, RequestSocket
 from imgserve.handoff.state import SharedState
 from imgserve.handoff.wire import RequestMessage
 from imgserve.worker import process
@@ -25,8 +26,8 @@ WORKER = 3
 class RecordingSocket(RequestSocket):
     """The real request socket, recording each read the gatherer makes: (method, timeout)."""
 
-    def __init__(self, directory: Path) -> None:
-        super().__init__(directory)
+    def __init__(self, directory: Path, name: str) -> None:
+        super().__init__(directory, name)
         self.reads: list[tuple[str, float | None]] = []
 
     def get(self, block: bool = True, timeout: float | None = None) -> RequestMessage:
@@ -34,14 +35,22 @@ class RecordingSocket(RequestSocket):
         return super().get(block, timeout)
 
 
+class RecordingRequests(ModelRequests):
+    """The real sockets of each model, recording the reads."""
+
+    @staticmethod
+    def socket(directory: Path, model: int) -> RequestSocket:
+        return RecordingSocket(directory, f"requests-{model}")
+
+
 @pytest.fixture
 def setup(tmp_path: Path) -> tuple[Gatherer, SharedState, RecordingSocket]:
-    """Worker 3's gatherer, its socket, and the shared state with one slot per request of these tests."""
+    """Worker 3's gatherer, its one model's socket, and the shared state with one slot per request of these tests."""
     state = SharedState(workers=WORKER + 1, request_slots=8)
     for slot in range(8):
         state.set_owner(slot, 100 + slot)  # what each request's front end did when it put it in its slot
-    requests = RecordingSocket(tmp_path)
-    return Gatherer(requests, state, WORKER), state, requests
+    requests = RecordingRequests(tmp_path, 1)
+    return Gatherer(requests, state, WORKER), state, requests[0]  # type: ignore[return-value]
 
 
 def admit(state: SharedState, count: int) -> None:
@@ -63,10 +72,12 @@ def taken(state: SharedState) -> list[int]:
     return [slot for slot in range(8) if state.taken_by(slot, 100 + slot) == WORKER]
 
 
-def test_an_idle_worker_blocks_on_the_socket_instead_of_polling(setup) -> None:
+def test_an_idle_worker_blocks_on_the_sockets_instead_of_polling(setup) -> None:
     gatherer, state, requests = setup
+    started = time.monotonic()
     assert gatherer.batch(lambda model: 4, lambda model: 0.01) == []
-    assert requests.reads == [("get", IDLE_WAIT_S)]
+    assert requests.reads == [], "nothing is read before a socket has a request"
+    assert time.monotonic() - started >= IDLE_WAIT_S * 0.9, "it waited on the sockets"
 
 
 def test_a_backlog_is_taken_at_once_up_to_the_batch_size(setup) -> None:
@@ -78,7 +89,7 @@ def test_a_backlog_is_taken_at_once_up_to_the_batch_size(setup) -> None:
     batch = gatherer.batch(lambda model: 4, lambda model: 1.0)
     assert [message.uid for message in batch] == ["u0", "u1", "u2", "u3"]
     assert batch[0] == request(0, long_ago)
-    assert requests.reads[1:] == [("get_nowait", None)] * 3, "the window had closed: nothing is waited for"
+    assert requests.reads == [("get_nowait", None)] * 4, "the window had closed: nothing is waited for"
     assert taken(state) == [0, 1, 2, 3], "the two still queued are not marked"
 
 
@@ -88,7 +99,7 @@ def test_a_lone_request_does_not_wait_for_company(setup) -> None:
     admit(state, 1)
     batch = gatherer.batch(lambda model: 8, lambda model: 30.0)
     assert [message.uid for message in batch] == ["u5"]
-    assert requests.reads == [("get", IDLE_WAIT_S)], "no other request was admitted, so none was waited for"
+    assert requests.reads == [("get_nowait", None)], "no other request was admitted, so none was waited for"
     assert taken(state) == [5]
 
 
@@ -115,20 +126,21 @@ def test_a_request_whose_slot_moved_on_is_dropped_and_the_next_one_taken(setup) 
     assert state.taken_by(1, 101) is None and state.taken_by(1, 999) is None, "slot 1's new request is untouched"
 
 
-def test_batches_never_mix_models_and_a_request_taken_for_another_model_comes_next(tmp_path: Path) -> None:
-    """Requests of two models, queued in turns: each batch holds one model's, in order; what was taken meanwhile for
-    the other model waits in the worker and opens the next batch."""
-    state = SharedState(workers=WORKER + 1, request_slots=8, models=2)
-    requests = RecordingSocket(tmp_path)
+def test_each_model_has_its_queue_and_the_worker_takes_the_models_in_turns(tmp_path: Path) -> None:
+    """A backlog of one model and a lone request of another: the other's request gets the next batch, not one after
+    the whole backlog; no batch mixes models."""
+    state = SharedState(workers=WORKER + 1, request_slots=16, models=2)
+    requests = ModelRequests(tmp_path, 2)
     gatherer = Gatherer(requests, state, WORKER)
     long_ago = time.monotonic() - 10
-    for i in range(6):
+    for i in range(9):  # a socket queues 10 datagrams (net.unix.max_dgram_qlen); a front end's sender thread waits
+        model = 1 if i == 8 else 0
         state.set_owner(i, 100 + i)
-        put(requests, RequestMessage(0, f"u{i}", i, 100 + i, i % 2, long_ago, long_ago + 60, {"pixels": i}))
-        assert state.try_admit(limit=100, model=i % 2)
-    batches = [gatherer.batch(lambda model: 8, lambda model: 1.0) for _ in range(3)]
-    assert [[message.uid for message in batch] for batch in batches] == [["u0", "u2", "u4"], ["u1", "u3", "u5"], []]
-    assert taken(state) == [0, 1, 2, 3, 4, 5]
+        put(requests[model], RequestMessage(0, f"u{i}", i, 100 + i, model, long_ago, long_ago + 60, {"pixels": i}))
+        assert state.try_admit(limit=100, model=model)
+    batches = [gatherer.batch(lambda model: 4, lambda model: 1.0) for _ in range(5)]
+    made = [[message.uid for message in batch] for batch in batches]
+    assert made == [["u0", "u1", "u2", "u3"], ["u8"], ["u4", "u5", "u6", "u7"], [], []]
 
 
 def test_a_stale_ticket_in_a_reused_slot_is_not_taken_for_the_new_request() -> None:

@@ -30,7 +30,7 @@ from imgserve.frontend.v2.http import V2Routes
 from imgserve.frontend.v2.model import V2Models
 from imgserve.frontend.v2.repository import Repository, RepositoryRoutes
 from imgserve.handoff.answers import AnswerSockets
-from imgserve.handoff.requests import RequestSocket
+from imgserve.handoff.requests import ModelRequests
 from imgserve.handoff.state import SharedState
 from imgserve.litapi import LitServeAPI
 from imgserve.served import Catalog
@@ -46,7 +46,7 @@ class FrontEnd:
         state: SharedState,
         keys: Keys,
         inference: Inference,
-        hand_off: tuple[RequestSocket, AnswerSockets],
+        hand_off: tuple[ModelRequests, AnswerSockets],
         metrics_body: Callable[[], bytes],
         describe: Callable[[], dict[str, Any]],
     ) -> None:

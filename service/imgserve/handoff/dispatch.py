@@ -27,7 +27,7 @@ from imgserve import heap, metrics
 from imgserve.errors import ApiError
 from imgserve.handoff import items, wire
 from imgserve.handoff.answers import FrontEndAnswers
-from imgserve.handoff.requests import MAX_REQUEST_BYTES, RequestSocket
+from imgserve.handoff.requests import MAX_REQUEST_BYTES, ModelRequests
 from imgserve.handoff.slots import SlotFiles
 from imgserve.handoff.state import SharedState
 
@@ -46,6 +46,7 @@ class _Pending:
     uid: str
     slot: int
     ticket: int
+    model: int
     submitted: float
     deadline: float
     message: bytes  # packed (wire.pack_request), kept to be sent again if its worker died holding it
@@ -89,7 +90,7 @@ class Dispatcher:
         self.state, self.directory, self.slots_per_front_end = state, directory, slots_per_front_end
         self.retry_after_s = retry_after_s
 
-    def start(self, front_end: int, request_queue: RequestSocket, answers: FrontEndAnswers) -> None:
+    def start(self, front_end: int, requests: ModelRequests, answers: FrontEndAnswers) -> None:
         """In the front-end process, on its event loop: claim its slot range, read answers on the loop, and start
         the sender thread (for when the workers' queue is full)."""
         self.files = SlotFiles(self.directory)
@@ -102,7 +103,7 @@ class Dispatcher:
         # queued for its slot must not pass for a new one (one ticket a microsecond is more than a process makes).
         self._tickets = itertools.count(time.monotonic_ns() // 1000)
         self._pending: dict[str, _Pending] = {}
-        self._front_end, self._request_queue = front_end, request_queue
+        self._front_end, self._requests = front_end, requests
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._loop = asyncio.get_running_loop()
         threading.Thread(target=self._send_forever, name="imgserve-sender", daemon=True).start()
@@ -141,8 +142,9 @@ class Dispatcher:
                 f"decode_request returned over {MAX_REQUEST_BYTES} bytes of plain values: return arrays or bytes "
                 "for large data (they travel in shared memory)",
             )
-        pending = slot.pending = self._pending[uid] = _Pending(uid, slot.index, slot.ticket, now, deadline, message)
-        self._send(message)
+        pending = _Pending(uid, slot.index, slot.ticket, slot.model, now, deadline, message)
+        slot.pending = self._pending[uid] = pending
+        self._send(slot.model, message)
         output = await self._wait(pending, slot.label)
         if isinstance(output, ApiError):
             if output.code == "deadline":  # the worker dropped it unrun before this front end's timer said so
@@ -171,7 +173,7 @@ class Dispatcher:
             return
         if self.state.taken_by(pending.slot, pending.ticket) is None:
             pending.resent = True
-            self._send(pending.message)
+            self._send(pending.model, pending.message)
 
     def _lost(self, pending: _Pending) -> bool:
         """Will no answer come? The worker process that took it died."""
@@ -215,19 +217,20 @@ class Dispatcher:
                     self._release(pending.slot)
 
     # The hand-off itself.
-    def _send(self, message: bytes) -> None:
-        """Queue a request for the workers from the event loop; the sender thread queues it (waiting for room)
-        when the socket's queue is full, or while earlier requests still wait for room there (so order holds)."""
+    def _send(self, model: int, message: bytes) -> None:
+        """Queue a request for the workers on its model's socket from the event loop; the sender thread queues it
+        (waiting for room) when that socket's queue is full, or while earlier requests still wait for room (so order
+        holds)."""
         with contextlib.suppress(OSError):  # the workers' socket is gone: the server is stopping (see _lost)
-            if self._outbox.empty() and self._request_queue.put_nowait(message):
+            if self._outbox.empty() and self._requests[model].put_nowait(message):
                 return
-        self._outbox.put(message)
+        self._outbox.put((model, message))
 
     def _send_forever(self) -> None:
         while True:
-            message = self._outbox.get()
+            model, message = self._outbox.get()
             try:
-                self._request_queue.put(message)
+                self._requests[model].put(message)
             except OSError:  # the workers' socket is gone: the server is stopping
                 return
 

@@ -12,6 +12,7 @@ in the server's private directory, so only the server's user can send to it.
 from __future__ import annotations
 
 import logging
+import select
 import socket
 import time
 from pathlib import Path
@@ -31,8 +32,8 @@ class RequestSocket:
     """The workers' shared request queue. Bound in the main process; a spawned worker inherits the receiving
     socket (multiprocessing passes its descriptor), a forked front end sends from a socket of its own."""
 
-    def __init__(self, directory: Path) -> None:
-        self.address = str(directory / "requests")
+    def __init__(self, directory: Path, name: str = "requests") -> None:
+        self.address = str(directory / name)
         self._receiver = wire.bound_socket(self.address, BUFFER_BYTES)
         self._sender: socket.socket | None = None  # one per process, made on first use
         self._nowait_sender: socket.socket | None = None  # the same, never blocking (for an event loop)
@@ -76,5 +77,33 @@ class RequestSocket:
             except wire.WireError as exc:
                 log.warning("dropped a datagram on the request socket that is not a request (%s)", exc)
 
+    def fileno(self) -> int:
+        return self._receiver.fileno()
+
     def get_nowait(self) -> RequestMessage:
         return self.get(block=False)
+
+
+class ModelRequests:
+    """One request socket per model, so each model has its own queue: a worker takes its next batch from the models
+    with requests waiting in turns (`ready`), and a flood of one model never stands in front of another's requests."""
+
+    def __init__(self, directory: Path, models: int) -> None:
+        self.sockets = [self.socket(directory, model) for model in range(models)]
+
+    @staticmethod
+    def socket(directory: Path, model: int) -> RequestSocket:
+        return RequestSocket(directory, f"requests-{model}")
+
+    def __getitem__(self, model: int) -> RequestSocket:
+        return self.sockets[model]
+
+    def ready(self, timeout_s: float) -> list[int]:
+        """The models with requests waiting, once one has some (none after `timeout_s`). Every worker is woken; those
+        that find the request taken by another wait again."""
+        try:
+            readable, _, _ = select.select(self.sockets, [], [], timeout_s)
+        except InterruptedError:
+            return []
+        models = {socket.fileno(): model for model, socket in enumerate(self.sockets)}  # this process's descriptors
+        return [models[found.fileno()] for found in readable]

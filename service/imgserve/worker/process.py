@@ -28,7 +28,7 @@ from imgserve.config import Logging
 from imgserve.errors import ApiError
 from imgserve.handoff.answers import AnswerSockets
 from imgserve.handoff.model_state import FAILED
-from imgserve.handoff.requests import RequestSocket
+from imgserve.handoff.requests import ModelRequests
 from imgserve.handoff.state import SharedState
 from imgserve.lifetime import die_with_parent
 from imgserve.models.loader import ModelLoadError
@@ -49,7 +49,7 @@ class WorkerSpec:
     catalog: Catalog
     plan: WorkerPlan
     state: SharedState
-    requests: RequestSocket
+    requests: ModelRequests
     answers: AnswerSockets
     logging: Logging
     parent_pid: int

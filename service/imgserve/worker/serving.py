@@ -1,13 +1,13 @@
 """The served models in an inference worker: each set up and measured when it is loaded, then each gathered batch of
 request messages (all of one model) answered.
 
-`set_up` loads a model's API (a fresh copy of the catalog's) on the worker's device and measures, on the API's example request, the memory a batch
-needs per element; the main process fits every model into the device's memory from what the workers measured and
-gives each its batch limits (pod.fit_models). `answer` takes a batch of one model's request messages: items past
-their deadline are answered 504 and never computed; the others are read from their slots (views, no copy), run
-(worker/batching.py), and each output is written back into its request's slot, or travels in the answer when small.
-Every failure is that item's answer; the worker survives them all. A model is set up beside the batches of the others
-(on a thread of its own); only its measurement holds the batches back, for one example batch.
+`set_up` loads a model's API (a fresh copy of the catalog's) on the worker's device and measures, on the API's example
+request, the memory a batch needs per element; the main process fits every model into the device's memory from what the
+workers measured and gives each its batch limits (pod.fit_models). `answer` takes a batch of one model's request
+messages: items past their deadline are answered 504 and never computed; the others are read from their slots (views, no
+copy), run (worker/batching.py), and each output is written back into its request's slot, or travels in the answer when
+small. Every failure is that item's answer; the worker survives them all. A model is set up beside the batches of the
+others (on a thread of its own); only its measurement holds the batches back, for one example batch.
 """
 
 from __future__ import annotations
