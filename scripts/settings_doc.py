@@ -35,9 +35,10 @@ environment, the environment over the default). Booleans are bare flags (`--trus
 their environment variables take `true`/`false`. An invalid value stops `imgserve serve` with one line naming the
 flag, e.g. `imgserve: invalid settings: --device: Input should be 'auto', 'cpu' or 'cuda' (got 'tpu')`, and exit
 code 2 (more in [Start-up errors](models.md#start-up-errors)). The built-in model's settings describe the model
-`--model` serves: given together with `--api`, they stop the start the same way. In the Helm chart, the `settings:` map takes the
-field names (`max_batch_size: 16`) and renders them as these variables (see
-[Kubernetes](kubernetes.md#the-deployment-and-its-pods)).
+`--model` serves: given together with `--api`, they stop the start the same way. In the Helm chart, the `settings:`
+map takes the field names (`max_batch_size: 16`) and renders them as these variables (see
+[Kubernetes](kubernetes.md#the-deployment-and-its-pods)); its `models`, `modelControl` and `loadModels` values set
+the model repository's ([Several models](several-models.md)).
 
 How the settings work together: [Batch size and memory](architecture.md#batch-size-and-memory),
 [How the model runs](architecture.md#how-the-model-runs), [Overload](overload.md) and

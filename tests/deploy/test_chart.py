@@ -13,11 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from serving import REPO, TESTS, Server
+from serving import REPO, TESTS, Server, running_server
 from tools import tool
 
 CHART = REPO / "charts" / "imgserve"
@@ -31,7 +32,19 @@ KSERVE_CRDS = {  # kind -> KServe's CRD (trimmed, tests/data) and the version th
     "InferenceService": (TESTS / "data" / "serving.kserve.io_inferenceservices.yaml", "v1beta1"),
 }
 CRD_KINDS = {"ScaledObject", "ServiceMonitor", "PrometheusRule", *KSERVE_CRDS}
-VALID = ["defaults", "hpa", "keda", "keda-dcgm", "cpu-only", "scale-to-zero", "auth", "kserve", "grpc-off", "pod"]
+VALID = [
+    "defaults",
+    "hpa",
+    "keda",
+    "keda-dcgm",
+    "cpu-only",
+    "scale-to-zero",
+    "auth",
+    "kserve",
+    "grpc-off",
+    "pod",
+    "models",
+]
 AUTOSCALED = ["hpa", "keda", "keda-dcgm", "scale-to-zero"]
 POD_SELECTOR = f'namespace="{NAMESPACE}",pod=~"{RELEASE}-.*"'
 
@@ -423,11 +436,12 @@ def test_network_policy_admits_helm_test_when_restricted() -> None:
         ("invalid-both-autoscalers", "/autoscaling/keda/enabled", "mutually exclusive"),
         ("invalid-scale-to-zero-without-wake", "/autoscaling/keda/wakeQuery", "needs autoscaling.keda.wakeQuery"),
         ("invalid-isvc-without-runtime", "/kserve/servingRuntime", "needs kserve.servingRuntime.enabled"),
+        ("invalid-models-with-api", "/api", "models and api are exclusive"),
     ],
 )
 def test_refused_values(name: str, schema_error: str, template_error: str) -> None:
-    """Both autoscalers, or scale to zero without a wake metric, fail in the schema and (schema skipped) in the
-    templates."""
+    """Both autoscalers, scale to zero without a wake metric, an InferenceService without its runtime, or `models`
+    beside `api`, fail in the schema and (schema skipped) in the templates."""
     base = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, *values_args(name)]
     by_schema = helm(*base, check=False)
     assert by_schema.returncode != 0 and schema_error in by_schema.stderr, by_schema.stderr
@@ -445,6 +459,18 @@ def test_refused_values(name: str, schema_error: str, template_error: str) -> No
         ),
         ("hpa", ["get hpa imgserve --watch", "custom.metrics.k8s.io"], ["WARNING"]),
         ("defaults", ["Autoscaling is off", "POST /predict", "45s to terminate"], ["WARNING"]),
+        (
+            "models",
+            [
+                "classifier: /classifier/predict   /v2/models/classifier",
+                "detector: /detector/predict",
+                "/v2/repository/models/<name>/load",
+                "loadModels: detector, classifier, denoiser",
+                "127.0.0.1:8000/detector/predict",
+                "Models: detector, classifier, embedder, denoiser",
+            ],
+            ["POST /predict ", "Model: "],
+        ),
     ],
 )
 def test_notes(name: str, expected: list[str], absent: list[str]) -> None:
@@ -621,3 +647,189 @@ def test_with_an_api_the_built_in_models_settings_are_refused_and_no_model_is_na
         args = [*values_args("defaults"), *with_api, "--set", setting]
         refused = helm("template", RELEASE, str(CHART), *args, check=False)
         assert refused.returncode != 0 and "'/settings': 'not' failed" in refused.stderr, refused.stderr
+
+
+# Several models: the `models` value rendered as a model repository
+
+
+def template_with(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """`helm template` of the defaults with extra arguments (--set-json ...)."""
+    return helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE, *values_args("defaults"), *args, check=check)
+
+
+def repository_files(docs: list[Manifest]) -> dict[str, Any]:
+    """The repository the Deployment mounts, as the server reads it: relative path -> parsed config.yaml (the
+    ConfigMap's keys placed at their items' paths)."""
+    (deployment,) = [doc for doc in docs if doc["kind"] == "Deployment"]
+    (volume,) = [v for v in deployment["spec"]["template"]["spec"]["volumes"] if v["name"] == "repository"]
+    (config_map,) = [doc for doc in docs if doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == "imgserve-models"]
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"]
+    items = volume["configMap"]["items"]
+    assert {item["key"] for item in items} == set(config_map["data"])
+    return {item["path"]: yaml.safe_load(config_map["data"][item["key"]]) for item in items}
+
+
+def test_models_render_a_model_repository() -> None:
+    """One folder per model with its config.yaml: an API's `api`, a built-in model's `model` and settings, each
+    model's batching and path; mounted read-only where IMGSERVE_MODEL_REPOSITORY points; model control and the
+    models loaded at start in the environment; no one-model IMGSERVE_MODEL or IMGSERVE_API; /models still mounted."""
+    docs = render("models")
+    assert repository_files(docs) == {
+        "detector/config.yaml": {
+            "api": "examples.detector:DetectorAPI",
+            "api_path": "/detector/predict",
+            "max_batch_size": 4,
+        },
+        "classifier/config.yaml": {
+            "model": "/models/resnet50.pt2",
+            "preprocess": "imagenet",
+            "labels": "/models/imagenet_classes.txt",
+            "precision": "fp16",
+            "max_batch_size": 32,
+            "batch_timeout_ms": 2.5,
+        },
+        "embedder/config.yaml": {"api": "examples.embedding:EmbeddingAPI", "api_path": "/embedder/predict"},
+        "denoiser/config.yaml": {"model": "builtin:denoiser"},
+    }
+    container = server_container("models")
+    env = env_of(container)
+    assert (env["IMGSERVE_MODEL_REPOSITORY"], env["IMGSERVE_MODEL_CONTROL"], env["IMGSERVE_LOAD_MODEL"]) == (
+        "/etc/imgserve/repository",
+        "explicit",
+        "detector,classifier,denoiser",
+    )
+    assert not {"IMGSERVE_MODEL", "IMGSERVE_API", "IMGSERVE_MODEL_NAME"} & env.keys()
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["repository"] == {"name": "repository", "mountPath": "/etc/imgserve/repository", "readOnly": True}
+    assert mounts["models"]["mountPath"] == "/models" and mounts["models"]["readOnly"] is True
+    (test_pod,) = objects("models", "Pod")
+    test_env = env_of(test_pod["spec"]["containers"][0])
+    assert json.loads(test_env["READY_MODELS"]) == ["detector", "classifier", "denoiser"]
+    assert json.loads(test_env["PREDICT_PATHS"]) == {
+        "classifier": "/classifier/predict",
+        "denoiser": "/denoiser/predict",
+    }
+    defaults = render("defaults")
+    assert not [doc for doc in defaults if doc["kind"] == "ConfigMap"]
+    assert not {"IMGSERVE_MODEL_REPOSITORY", "IMGSERVE_MODEL_CONTROL"} & env_of(server_container("defaults")).keys()
+
+
+def test_a_change_of_models_rolls_the_pods() -> None:
+    """The server reads its repository once: the pod template carries the ConfigMap's checksum, which changes with
+    any model's settings (and is absent without models)."""
+
+    def checksum(models: list[dict[str, Any]]) -> str | None:
+        docs = yaml.safe_load_all(template_with("--set-json", f"models={json.dumps(models)}").stdout)
+        (deployment,) = [doc for doc in docs if doc and doc["kind"] == "Deployment"]
+        return deployment["spec"]["template"]["metadata"].get("annotations", {}).get("checksum/models")
+
+    one = checksum([{"name": "a", "model": "builtin:denoiser"}])
+    assert one and one == checksum([{"name": "a", "model": "builtin:denoiser"}])
+    assert one != checksum([{"name": "a", "model": "builtin:denoiser", "max_batch_size": 2}])
+    assert checksum([]) is None
+
+
+MODELS_REFUSED = [
+    # (--set-json arguments, where the schema points, what the templates say with the schema skipped: None if the
+    # schema alone can say it)
+    ([{"name": "../up", "model": "builtin:denoiser"}], "/models/0/name", "is not a model name"),
+    ([{"name": "a", "model": "x.pt", "api": "m:C"}], "/models/0", "has both api and model"),
+    ([{"name": "a"}], "/models/0", "needs api (module:Class) or model"),
+    ([{"name": "a", "api": "m:C", "settings": {"precision": "fp16"}}], "/models/0", None),
+    ([{"name": "a", "model": "x.pt", "settings": {"colour": "red"}}], "/models/0/settings", None),
+    ([{"name": "a", "api": "not a class"}], "/models/0/api", None),
+]
+
+
+@pytest.mark.parametrize(("models", "schema_error", "template_error"), MODELS_REFUSED)
+def test_the_schema_refuses_models_it_can_judge(
+    models: list[dict[str, Any]], schema_error: str, template_error: str | None
+) -> None:
+    """A name that is no folder name, api and model together or neither, the built-in model's settings beside an
+    API, an unknown setting, an API that is not module:Class: refused before anything renders."""
+    args = ["--set-json", f"models={json.dumps(models)}"]
+    refused = template_with(*args, check=False)
+    assert refused.returncode != 0 and f"at '{schema_error}'" in refused.stderr, refused.stderr
+    if template_error:
+        skipped = template_with(*args, "--skip-schema-validation", check=False)
+        assert skipped.returncode != 0 and template_error in skipped.stderr, skipped.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "schema_error", "template_error"),
+    [
+        (["--set-json", 'models=[{"name":"a","model":"x.pt"},{"name":"a","api":"m:C"}]'], None, 'named "a"'),
+        (
+            ["--set-json", 'models=[{"name":"a","model":"x.pt"}]', "--set", "modelControl=explicit"]
+            + ["--set-json", 'loadModels=["b"]'],
+            None,
+            '"b" is not the name of a model',
+        ),
+        (
+            ["--set-json", 'models=[{"name":"a","model":"x.pt"}]', "--set-json", 'loadModels=["a"]'],
+            "/loadModels",
+            "needs modelControl explicit",
+        ),
+        (
+            ["--set-json", 'models=[{"name":"a","model":"x.pt"}]', "--set", "modelName=b"],
+            "/modelName",
+            "modelName are exclusive",
+        ),
+        (
+            ["--set-json", 'models=[{"name":"a","model":"x.pt"}]', "--set", "kserve.servingRuntime.enabled=true"],
+            "/kserve/servingRuntime/enabled",
+            "one model per InferenceService",
+        ),
+    ],
+    ids=["duplicate-names", "load-an-unknown-model", "load-without-explicit", "model-name", "kserve"],
+)
+def test_the_templates_refuse_what_the_schema_cannot_say(
+    args: list[str], schema_error: str | None, template_error: str
+) -> None:
+    """Two models of one name and loading a model that is not there pass any JSON schema: the templates stop them
+    in one line; the rest fail in the schema first and in the templates when it is skipped."""
+    if schema_error:
+        refused = template_with(*args, check=False)
+        assert refused.returncode != 0 and f"at '{schema_error}'" in refused.stderr, refused.stderr
+    skipped = template_with(*args, "--skip-schema-validation", check=False)
+    assert skipped.returncode != 0 and template_error in skipped.stderr, skipped.stderr
+    assert len(skipped.stderr.strip().splitlines()[0]) < 250
+
+
+def test_the_rendered_repository_is_served_and_passes_its_helm_test(tmp_path: Path) -> None:
+    """The chart's repository, written where the pod would mount it, is what `imgserve serve` reads: two built-in
+    models answer at /<name>/predict and over v2, only loadModels' one is loaded, and the helm test Pod's script
+    passes against the real server; it fails when a model it expects is not loaded."""
+    models = [
+        {"name": "restore", "model": "builtin:denoiser", "max_batch_size": 2},
+        {"name": "sharpen", "model": "builtin:denoiser", "settings": {"output_format": "png"}},
+    ]
+    extra = ["--set-json", f"models={json.dumps(models)}", "--set", "modelControl=explicit"]
+    docs = [
+        doc for doc in yaml.safe_load_all(template_with(*extra, "--set-json", 'loadModels=["restore"]').stdout) if doc
+    ]
+    for path, config in repository_files(docs).items():
+        (tmp_path / "repository" / path).parent.mkdir(parents=True)
+        (tmp_path / "repository" / path).write_text(yaml.safe_dump(config))
+    (deployment,) = [doc for doc in docs if doc["kind"] == "Deployment"]
+    env = env_of(deployment["spec"]["template"]["spec"]["containers"][0])
+    (test_pod,) = [doc for doc in docs if doc["kind"] == "Pod"]
+    container = test_pod["spec"]["containers"][0]
+    settings = {"model_control": env["IMGSERVE_MODEL_CONTROL"], "load_model": env["IMGSERVE_LOAD_MODEL"]}
+    repository = str(tmp_path / "repository")
+    with running_server(
+        tmp_path, model_repository=repository, workers_per_device=1, api_servers=1, **settings
+    ) as server:
+        index = httpx.post(f"{server.url}/v2/repository/index", timeout=10).json()
+        assert {m["name"]: m["state"] for m in index} == {"restore": "READY", "sharpen": "UNAVAILABLE"}
+
+        def helm_test(ready: str) -> subprocess.CompletedProcess[str]:
+            test_env = {**os.environ, **env_of(container), "SERVER_URL": server.url, "READY_MODELS": ready}
+            script = [sys.executable, *container["command"][1:], *container["args"]]
+            return subprocess.run(script, env=test_env, capture_output=True, text=True, timeout=120)
+
+        passed = helm_test(env_of(container)["READY_MODELS"])
+        assert passed.returncode == 0, passed.stderr
+        assert "restore ready" in passed.stdout and "restore predict ok at /restore/predict" in passed.stdout
+        failed = helm_test('["restore", "sharpen"]')
+        assert failed.returncode != 0 and "HTTP Error 400" in failed.stderr, failed.stderr

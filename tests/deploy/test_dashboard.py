@@ -8,7 +8,16 @@ import re
 from types import ModuleType
 
 import pytest
-from prom import CHART_VALUES, CONTRACT_METRICS, DASHBOARD, GENERATOR, dashboard, helm_template, metric_names
+from prom import (
+    CHART_VALUES,
+    CONTRACT_METRICS,
+    DASHBOARD,
+    GENERATOR,
+    alert_rules,
+    dashboard,
+    helm_template,
+    metric_names,
+)
 
 # What the dashboard must show, each as words of a panel title and a metric a panel of it queries.
 REQUIRED_PANELS = {
@@ -23,6 +32,24 @@ REQUIRED_PANELS = {
     "GPU memory": "DCGM_FI_DEV_FB_USED",
     "Replicas": "kube_horizontalpodautoscaler_spec_max_replicas",
     "OOM splits and process restarts": "imgserve_front_end_restarts_total",
+    "Predictions per model": "imgserve_requests_total",
+    "Latency p95 per model": "imgserve_request_duration_seconds",
+    "Queue wait p95 per model": "imgserve_queue_wait_seconds",
+    "Rejections per model": "imgserve_rejected_total",
+    "Models per pod": "imgserve_model_info",
+}
+# The series that carry a `model` label: the dashboard shows the selected models' (`model=~"$model"`) everywhere,
+# except imgserve_inflight_requests beside the pod-wide queue depth.
+PER_MODEL = {
+    "imgserve_requests_total",
+    "imgserve_request_duration_seconds",
+    "imgserve_queue_wait_seconds",
+    "imgserve_batch_size",
+    "imgserve_inference_duration_seconds",
+    "imgserve_rejected_total",
+    "imgserve_oom_splits_total",
+    "imgserve_model_info",
+    "imgserve_model_weight_bytes",
 }
 
 
@@ -53,6 +80,8 @@ def test_variables() -> None:
     assert variables["namespace"]["query"] == "label_values(imgserve_build_info, namespace)"
     assert variables["pod"]["query"] == 'label_values(imgserve_build_info{namespace="$namespace"}, pod)'
     assert variables["pod"]["includeAll"] and variables["pod"]["allValue"] == ".*"
+    assert variables["model"]["query"] == 'label_values(imgserve_requests_total{namespace="$namespace"}, model)'
+    assert variables["model"]["multi"] and variables["model"]["includeAll"] and variables["model"]["allValue"] == ".*"
     for variable in variables.values():
         if variable["type"] == "query":
             assert variable["datasource"]["uid"] == "${datasource}"
@@ -98,11 +127,44 @@ def test_chart_configmap_carries_the_dashboard() -> None:
 
 
 def test_the_prediction_panels_count_every_inference_route() -> None:
-    """/predict, its alias, and the Open Inference Protocol's HTTP and gRPC inferences: a KServe client's traffic is
-    on the dashboard too (the same selector as the alert rules', which promtool's tests check)."""
+    """/predict, its alias, each model's own path, and the Open Inference Protocol's HTTP and gRPC inferences are
+    predictions; every other route label the server writes (health, metadata, scrapes, docs, the repository
+    extension, unknown paths) is not. The alert rules count predictions with the same selector."""
     from imgserve.frontend import telemetry as metrics
 
-    [pattern] = re.findall(r'route=~"([^"]+)"', generator().PREDICT)
-    routes = {*metrics.INFER_ROUTES, metrics.GRPC_INFER}
-    assert {route for route in routes if re.fullmatch(pattern, route)} == routes
-    assert not re.fullmatch(pattern, metrics.V2_OTHER) and not re.fullmatch(pattern, "/health/ready")
+    pattern = generator().NOT_PREDICTIONS
+    predictions = {*metrics.INFER_ROUTES, metrics.GRPC_INFER, "/classifier/predict", "/embed", "/v1/detect"}
+    assert not [route for route in predictions if re.fullmatch(pattern, route)]
+    others = {*(metrics.ROUTES - metrics.INFER_ROUTES), metrics.DOCS_ASSETS, metrics.GRPC_OTHER, "other"}
+    others |= {metrics.V2_STATS, metrics.V2_REPOSITORY, metrics.V2_OTHER}
+    assert [route for route in others if not re.fullmatch(pattern, route)] == []
+    assert metrics.route("/v2/repository/models/a/load") in others and metrics.route("/nowhere") in others
+    selector = generator().PREDICT
+    for rule in alert_rules():
+        if "imgserve_requests_total" in rule["expr"]:
+            assert rule["expr"].count("imgserve_requests_total{") == rule["expr"].count(selector), rule["alert"]
+
+
+def per_model_selectors(expr: str) -> list[tuple[str, str]]:
+    """(metric, its label matchers) of every per-model series an expression selects."""
+    found = re.findall(r"\b(imgserve_\w+?)(?:_bucket|_sum|_count)?\{([^}]*)\}", expr)
+    return [(name, matchers) for name, matchers in found if name in PER_MODEL]
+
+
+@pytest.mark.parametrize("panel", panels(), ids=lambda panel: panel["title"])
+def test_panels_show_the_selected_models(panel: dict) -> None:
+    """Every per-model series is filtered by the `model` variable; the queue depth, the autoscaling signal, stays
+    the pod's (it has no model label), and so does the in-batch count shown beside it."""
+    for target in panel["targets"]:
+        expr = target["expr"]
+        for name, matchers in per_model_selectors(expr):
+            assert 'model=~"$model"' in matchers, (name, expr)
+        if "imgserve_queue_depth" in expr:
+            assert "$model" not in expr, expr
+
+
+def test_the_model_filter_check_sees_a_missing_filter() -> None:
+    assert per_model_selectors('sum(rate(imgserve_batch_size_sum{namespace="$namespace"}[1m]))') == [
+        ("imgserve_batch_size", 'namespace="$namespace"')
+    ]
+    assert per_model_selectors('imgserve_queue_depth{pod="a"}') == []

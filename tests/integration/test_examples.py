@@ -1,6 +1,7 @@
-"""The APIs in examples/ run: each is served by a real `imgserve serve --api examples.<module>:<Class>` and answered
-end to end by real clients (httpx; Triton's HTTP client for the Open Inference Protocol), as docs/custom-api.md
-shows them."""
+"""The APIs in examples/ run: each is served by a real `imgserve serve --api examples.<module>:<Class>`, and the
+model repository examples/repository by `imgserve serve --model-repository`, and answered end to end by real clients
+(httpx; Triton's HTTP client for the Open Inference Protocol), as docs/custom-api.md and docs/several-models.md show
+them."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 import torch
 import tritonclient.http as triton
 from PIL import Image
-from serving import Server, image_bytes, running_server
+from serving import REPO, Server, image_bytes, running_server
 
 from imgserve import Request
 from imgserve.testing import InProcess
@@ -239,3 +240,111 @@ def test_the_plain_litserve_image_api(tmp_path: Path) -> None:
     rgb = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.float64)
     np.testing.assert_allclose(gray, (rgb @ [0.299, 0.587, 0.114]).round(), atol=1)
     assert (not_an_image.status_code, not_an_image.json()) == (400, {"detail": "file is not an image"})
+
+
+# A model repository: a detector, a classifier and an embedder in one server
+
+
+REPOSITORY = REPO / "examples" / "repository"
+
+
+@pytest.fixture(scope="module")
+def repository_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """`imgserve serve --model-repository examples/repository`, one worker and one front end (light on a CPU)."""
+    with running_server(
+        tmp_path_factory.mktemp("logs"), model_repository=str(REPOSITORY), workers_per_device=1, api_servers=1
+    ) as server:
+        yield server
+
+
+def test_the_repository_serves_each_model_at_its_own_path(repository_server: Server) -> None:
+    """Each folder is a model named by it, answering at its config's api_path (none at /predict), READY in /info
+    and counted under its own name in the metrics."""
+    data = image_bytes(120, 90, seed=8)
+    models = {m["name"]: m for m in httpx.get(f"{repository_server.url}/info", timeout=10).json()["models"]}
+    assert {name: (m["path"], m["state"]) for name, m in models.items()} == {
+        "classifier": ("/classifier/predict", "READY"),
+        "detector": ("/detector/predict", "READY"),
+        "embedder": ("/embedder/predict", "READY"),
+    }
+    assert (models["detector"]["max_batch_size"], models["classifier"]["max_batch_size"]) == (4, 8)
+    url = repository_server.url
+    detected = httpx.post(f"{url}/detector/predict", files=upload(data), timeout=60)
+    assert detected.status_code == 200 and (detected.json()["width"], detected.json()["height"]) == (120, 90)
+    classified = httpx.post(f"{url}/classifier/predict", files=upload(data), params={"top_k": "2"}, timeout=60)
+    assert classified.status_code == 200, classified.text
+    top = classified.json()["top_k"]
+    assert [t["label"] for t in top] == [("cat", "dog", "bird", "car", "tree")[t["index"]] for t in top]
+    assert len(top) == 2 and top[0]["score"] >= top[1]["score"] > 0
+    embedded = httpx.post(f"{url}/embedder/predict", files=upload(data), timeout=60)
+    assert embedded.status_code == 200 and len(embedded.json()["embedding"]) == 64
+    assert httpx.post(f"{url}/predict", files=upload(data), timeout=60).status_code == 404
+    bad = httpx.post(f"{url}/classifier/predict", files=upload(data), params={"top_k": "9"}, timeout=60)
+    assert bad.status_code == 422 and bad.json()["error"]["code"] == "invalid_top_k"
+    for name in models:
+        route = models[name]["path"]
+        assert repository_server.metric("imgserve_requests_total", route=route, code="200", model=name) >= 1
+
+
+def test_the_repository_over_v2(repository_server: Server) -> None:
+    """Triton's client sees the three models in the repository index and gets from each, under the folder's name,
+    what its path answers: the detector's JSON, the classifier's FP32 scores (and its labels through the
+    classification extension), the embedder's vector."""
+    import json
+
+    client = triton.InferenceServerClient(repository_server.address, network_timeout=60)
+    index = client.get_model_repository_index()
+    assert {(m["name"], m["state"]) for m in index} == {
+        ("classifier", "READY"),
+        ("detector", "READY"),
+        ("embedder", "READY"),
+    }
+    data = image_bytes(100, 70, seed=9)
+    tensor = triton.InferInput("image", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[data]], dtype=object))
+    url = repository_server.url
+
+    def over_http(model: str, **params: str) -> Any:
+        return httpx.post(f"{url}/{model}/predict", files=upload(data), params=params, timeout=60).json()
+
+    ((detections,),) = client.infer("detector", [tensor]).as_numpy("output")
+    assert json.loads(detections) == over_http("detector")
+    assert client.get_model_metadata("classifier")["outputs"] == [
+        {"name": "scores", "datatype": "FP32", "shape": [-1, 5]}
+    ]
+    (scores,) = client.infer("classifier", [tensor]).as_numpy("scores")
+    assert scores.sum() == pytest.approx(1, abs=1e-5)
+    top = over_http("classifier", top_k="5")["top_k"]
+    np.testing.assert_allclose([scores[t["index"]] for t in top], [t["score"] for t in top], atol=1e-4)
+    asked = triton.InferRequestedOutput("scores", class_count=2)
+    ((best, second),) = client.infer("classifier", [tensor], outputs=[asked]).as_numpy("scores")
+    assert best.decode().split(":")[1:] == [str(top[0]["index"]), top[0]["label"]]
+    assert second.decode().split(":")[2] == top[1]["label"]
+    (embedding,) = client.infer("embedder", [tensor]).as_numpy("embedding")
+    np.testing.assert_allclose(embedding, over_http("embedder")["embedding"], atol=1e-5)
+    assert not client.is_model_ready("embedding")  # the folder's name, not the class's
+
+
+def test_the_served_classifier_is_the_folders_module(
+    repository_server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The classifier answers the probabilities its module computes in this process (seeded weights, nothing
+    downloaded), for images batched together."""
+    monkeypatch.syspath_prepend(str(REPOSITORY / "classifier"))
+    from classifier_api import ClassifierAPI
+
+    images = [image_bytes(w, h, seed=w) for w, h in [(80, 50), (64, 64), (33, 120)]]
+    requests = [Request(body=data, content_type="image/png", query={"top_k": "5"}) for data in images]
+    here = InProcess(ClassifierAPI()).setup().run(requests)
+    with ThreadPoolExecutor(3) as pool:
+        served = list(
+            pool.map(
+                lambda data: httpx.post(
+                    f"{repository_server.url}/classifier/predict", files=upload(data), params={"top_k": "5"}, timeout=60
+                ).json(),
+                images,
+            )
+        )
+    for mine, theirs in zip(here, served, strict=True):
+        expected = {t["index"]: t["score"] for t in mine["top_k"]}
+        assert {t["index"]: t["score"] for t in theirs["top_k"]} == pytest.approx(expected, abs=2e-4)

@@ -45,9 +45,9 @@ from loadtests.lib.servers import running_server as running_process
 NAMESPACE = "imgserve-test"
 POD = "imgserve-abc12-xyz"
 POD_LABELS = {"namespace": NAMESPACE, "pod": POD, "service": "imgserve"}
-# Grafana's variables as a user who picked this namespace and "All" pods would have them. The rate window is wider
-# than Grafana's 4 x scrape interval so that the whole load, not only its last seconds, lies inside it.
-SUBSTITUTIONS = {"namespace": NAMESPACE, "pod": ".*", "deployment": "imgserve", "__rate_interval": "1m"}
+# Grafana's variables as a user who picked this namespace and "All" pods and models would have them. The rate window
+# is wider than Grafana's 4 x scrape interval so that the whole load, not only its last seconds, lies inside it.
+SUBSTITUTIONS = {"namespace": NAMESPACE, "pod": ".*", "model": ".*", "deployment": "imgserve", "__rate_interval": "1m"}
 QUERIES = [
     *dashboard_queries(dashboard(), SUBSTITUTIONS),
     *alert_queries(),
@@ -235,6 +235,7 @@ def test_query_returns_data(query: Query, prometheus: str, loaded: dict[int, int
     [
         ("namespace", "imgserve_build_info", NAMESPACE),
         ("pod", f'imgserve_build_info{{namespace="{NAMESPACE}"}}', POD),
+        ("model", f'imgserve_requests_total{{namespace="{NAMESPACE}"}}', "denoiser"),
         ("deployment", f'kube_deployment_status_replicas{{namespace="{NAMESPACE}"}}', "imgserve"),
     ],
 )

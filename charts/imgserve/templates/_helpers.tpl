@@ -108,7 +108,7 @@ YAML map from setting name (upper case) to its string value. */}}
 {{- if not (hasKey $env "DEVICE") }}
 {{- $_ := set $env "DEVICE" (ternary "cuda" "cpu" .Values.gpu.enabled) }}
 {{- end }}
-{{- if not .Values.api }}
+{{- if not (or .Values.api .Values.models) }}
 {{- $_ := set $env "MODEL" (include "imgserve.modelPath" .) }}
 {{- end }}
 {{- if .Values.modelName }}
@@ -128,12 +128,22 @@ YAML map from setting name (upper case) to its string value. */}}
 {{- end }}
 {{- end }}
 
-{{/* The Deployment's IMGSERVE_*: the settings, the ports, and the API key file. */}}
+{{/* The Deployment's IMGSERVE_*: the settings, the ports, the model repository and its control, and the API key
+file. */}}
 {{- define "imgserve.env" -}}
 {{- $env := include "imgserve.settingsEnv" . | fromYaml }}
 {{- $_ := set $env "PORT" (toString .Values.containerPort) }}
 {{- $_ := set $env "GRPC_PORT" (toString .Values.grpcPort) }}
 {{- $_ := set $env "HOST" "0.0.0.0" }}
+{{- if .Values.models }}
+{{- $_ := set $env "MODEL_REPOSITORY" (include "imgserve.repositoryDir" .) }}
+{{- end }}
+{{- if eq .Values.modelControl "explicit" }}
+{{- $_ := set $env "MODEL_CONTROL" "explicit" }}
+{{- with .Values.loadModels }}
+{{- $_ := set $env "LOAD_MODEL" (join "," .) }}
+{{- end }}
+{{- end }}
 {{- if .Values.auth.existingSecret }}
 {{- $_ := set $env "API_KEY_FILE" (printf "%s/%s" (include "imgserve.apiKeyDir" .) .Values.auth.secretKey) }}
 {{- $_ := set $env "PROTECT_METRICS" (toString .Values.auth.protectMetrics) }}
@@ -198,9 +208,10 @@ sum(imgserve_queue_depth{ {{- include "imgserve.podSelector" . -}} })
 {{- if and (eq .Values.model.source "pvc") (not .Values.model.pvc.claimName) }}
 {{- fail "model.source=pvc needs model.pvc.claimName" }}
 {{- end }}
-{{- if and (ne .Values.model.source "image") (not .Values.model.file) }}
+{{- if and (ne .Values.model.source "image") (not .Values.model.file) (not .Values.models) }}
 {{- fail "model.source=pvc or init needs model.file (the file under /models)" }}
 {{- end }}
+{{- include "imgserve.validateModels" . }}
 {{- if and (eq .Values.model.source "init") (not .Values.model.init.command) }}
 {{- fail "model.source=init needs model.init.command (it writes the model into /models)" }}
 {{- end }}
@@ -248,5 +259,93 @@ checkov.io/skip{{ $n }}: "CKV_K8S_9=a one-shot helm test Pod receives no traffic
     items:
       - key: {{ $.Values.auth.secretKey }}
         path: {{ $.Values.auth.secretKey }}
+{{- end }}
+{{- end }}
+
+{{/* Where the model repository (the `models` ConfigMap, one folder per model) is mounted. */}}
+{{- define "imgserve.repositoryDir" -}}
+/etc/imgserve/repository
+{{- end }}
+
+{{/* One model's config.yaml in the repository, from an item of `models`: `api`, or `model` with the built-in model's
+`settings`; then its batching and api_path. Whole numbers are written as integers (YAML from Helm has only floats). */}}
+{{- define "imgserve.modelConfig" -}}
+{{- $config := dict }}
+{{- if .api }}
+{{- $_ := set $config "api" .api }}
+{{- else }}
+{{- range $key, $value := (default dict .settings) }}
+{{- $_ := set $config $key $value }}
+{{- end }}
+{{- $_ := set $config "model" .model }}
+{{- end }}
+{{- range $key := list "max_batch_size" "batch_timeout_ms" "api_path" }}
+{{- if hasKey $ $key }}
+{{- $_ := set $config $key (get $ $key) }}
+{{- end }}
+{{- end }}
+{{- range $key, $value := $config }}
+{{- if and (kindIs "float64" $value) (eq $value (floor $value)) }}
+{{- $_ := set $config $key (int64 $value) }}
+{{- end }}
+{{- end }}
+{{- toYaml $config }}
+{{- end }}
+
+{{/* The names of `models`, in order. */}}
+{{- define "imgserve.modelNames" -}}
+{{- range .Values.models }}
+- {{ .name | quote }}
+{{- end }}
+{{- end }}
+
+{{/* Where each model of `models` answers over HTTP, as `name: path` (a built-in model at /<name>/predict unless its
+api_path says; an API at its api_path, else the one its class names, which the chart cannot know: "" then). */}}
+{{- define "imgserve.modelPaths" -}}
+{{- $paths := dict }}
+{{- range .Values.models }}
+{{- $builtin := ternary "/predict" (printf "/%s/predict" .name) (eq (len $.Values.models) 1) }}
+{{- $_ := set $paths .name (.api_path | default (ternary "" $builtin (hasKey . "api"))) }}
+{{- end }}
+{{- toYaml $paths }}
+{{- end }}
+
+{{/* Refuse what the schema cannot say of `models`: two models of one name, a loadModels name that is no model's,
+and (schema skipped) models beside the one-model values. */}}
+{{- define "imgserve.validateModels" -}}
+{{- $names := list }}
+{{- range .Values.models }}
+{{- if not (regexMatch "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$" (toString .name)) }}
+{{- fail (printf "models: %q is not a model name (a folder of the repository: letters, digits, _ . -, 64 at most)" (toString .name)) }}
+{{- end }}
+{{- if has .name $names }}
+{{- fail (printf "models: two models are named %q: each model's name must be its own" .name) }}
+{{- end }}
+{{- if and .api .model }}
+{{- fail (printf "models: %s has both api and model: give one" .name) }}
+{{- end }}
+{{- if not (or .api .model) }}
+{{- fail (printf "models: %s needs api (module:Class) or model (its file)" .name) }}
+{{- end }}
+{{- $names = append $names .name }}
+{{- end }}
+{{- if .Values.models }}
+{{- if .Values.api }}
+{{- fail "models and api are exclusive: name your API in models as {name, api}" }}
+{{- end }}
+{{- if .Values.modelName }}
+{{- fail "models and modelName are exclusive: each model of models has its own name" }}
+{{- end }}
+{{- if .Values.kserve.servingRuntime.enabled }}
+{{- fail "models and kserve.servingRuntime.enabled are exclusive: KServe runs one model per InferenceService (one InferenceService per model on the runtime)" }}
+{{- end }}
+{{- end }}
+{{- if and .Values.loadModels (ne .Values.modelControl "explicit") }}
+{{- fail "loadModels needs modelControl explicit (without it every model loads at start)" }}
+{{- end }}
+{{- range .Values.loadModels }}
+{{- if and $.Values.models (ne . "*") (not (has . $names)) }}
+{{- fail (printf "loadModels: %q is not the name of a model in models" .) }}
+{{- end }}
 {{- end }}
 {{- end }}
