@@ -305,7 +305,8 @@ def fit_models(memory: DeviceMemory, needs: Sequence[ModelNeed]) -> dict[str, Li
             too_big.append(need)
         limits[need.name] = Limits(max(size, 1), max(element_budget, 1), max(per_worker, 0))
     if too_big or per_worker <= 0:
-        raise MemoryRefusal(_refusal(memory, needs, too_big, per_worker))
+        kept = min(memory.reserved_bytes, max(after, 0) // 2)
+        raise MemoryRefusal(_refusal(memory, needs, too_big, per_worker, kept))
     return limits
 
 
@@ -313,7 +314,9 @@ class MemoryRefusal(Exception):
     """The models do not fit their device's memory together; the message gives the numbers."""
 
 
-def _refusal(memory: DeviceMemory, needs: Sequence[ModelNeed], too_big: list[ModelNeed], per_worker: int) -> str:
+def _refusal(
+    memory: DeviceMemory, needs: Sequence[ModelNeed], too_big: list[ModelNeed], per_worker: int, kept: int
+) -> str:
     def mib(value: float) -> str:
         return f"{value / 2**20:.0f} MiB"
 
@@ -329,7 +332,7 @@ def _refusal(memory: DeviceMemory, needs: Sequence[ModelNeed], too_big: list[Mod
         what = f"model {names} does not fit" if len(too_big) == 1 else f"models {names} do not fit"
     return (
         f"{what} on {memory.device}: {'; '.join(described)}; {memory.workers} worker(s) x "
-        f"{mib(memory.overhead_bytes)} each, {mib(memory.reserved_bytes)} kept for request slots; the device's "
+        f"{mib(memory.overhead_bytes)} each, {mib(kept)} kept for request slots; the device's "
         f"budget is {mib(memory.budget_bytes)} ({memory.fraction:g} of {mib(memory.free_bytes)} free), which leaves "
         f"{mib(max(per_worker, 0))} of batch memory per worker"
     )

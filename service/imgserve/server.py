@@ -289,6 +289,8 @@ def build(settings: Settings, directory: ServerDirectory, chosen: list[Chosen]) 
 def _loaded_at_start(settings: Settings, catalog: Catalog) -> list[int]:
     """Every model, unless --model-control explicit: then those --load-model names (* for all)."""
     if settings.model_control != "explicit":
+        if settings.load_model:
+            raise StartupError("--load-model names the models to load at start with --model-control explicit")
         return list(range(len(catalog)))
     names = set(settings.load_model)
     unknown = names - {"*", *catalog.names}

@@ -112,6 +112,14 @@ def test_two_models_on_one_name_or_one_path_stop_the_start_in_one_line(tmp_path:
     assert "Traceback" not in twice.stderr + one_path.stderr
 
 
+def test_load_model_without_explicit_control_is_refused(tmp_path: Path) -> None:
+    """--load-model applies to explicit control only: without it every model is loaded, so naming some is a mistake."""
+    repository = write_repository(tmp_path / "models", {"tagged": {"api": "user_apis:Tagged"}})
+    refused = failed_start("--model-repository", str(repository), "--load-model", "tagged")
+    expected = "imgserve: --load-model names the models to load at start with --model-control explicit"
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1].endswith(expected), refused.stderr
+
+
 def test_imgserve_serve_takes_a_list_of_apis_as_litserve_does(tmp_path: Path) -> None:
     """`imgserve.serve([A(), B()])`: each API at its own api_path."""
     port = free_port()

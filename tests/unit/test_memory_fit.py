@@ -57,3 +57,9 @@ def test_models_that_do_not_fit_are_one_line_with_the_numbers() -> None:
     assert "the device's budget is 800 MiB (0.8 of 1000 MiB free)" in line and "2 worker(s) x 100 MiB" in line
     with pytest.raises(MemoryRefusal, match="the models do not fit on cpu"):
         fit_models(device(), [need("a", weight_mib=700), need("b", weight_mib=100)])  # weights alone over the budget
+
+
+def test_the_refusal_gives_the_slots_room_that_was_kept_not_what_was_asked() -> None:
+    with pytest.raises(MemoryRefusal) as refused:
+        fit_models(device(reserved_mib=10**6), [need("huge", batch=10_000)])
+    assert "295 MiB kept for request slots" in str(refused.value)  # (800 - 10 - 200) / 2: at most half

@@ -18,10 +18,10 @@ from imgserve.handoff.slots import bytes_in_use
 from imgserve.handoff.state import SharedState
 from imgserve.metrics import count
 
-PREDICT_PATHS = ("/predict", "/v1/images:predict")
 DOCS_PATHS = ("/docs", "/openapi.json")
 DOCS_ASSETS = "/docs/assets"  # Swagger UI's files: one label for them all
-ROUTES = {*PREDICT_PATHS, *DOCS_PATHS, "/health", "/health/live", "/health/ready", "/info", "/metrics", "/"}
+# Each model's own paths (/predict, /<name>/predict, an API's api_path) join these as the front end is built.
+ROUTES = {*DOCS_PATHS, "/health", "/health/live", "/health/ready", "/info", "/metrics", "/"}
 # The Open Inference Protocol's routes carry the model's name: each protocol is one label for its inferences, one
 # for its statistics (guarded with /metrics) and one for the rest (health, metadata, config), whatever the model and
 # version named in the path.
@@ -30,12 +30,12 @@ V2_INFER_PATH = re.compile(r"/v2/models/[^/]+(/versions/[^/]+)?/infer")
 V2_MODEL_PATH = re.compile(r"/v2/models/([^/]+)(/.*)?")
 V2_STATS_PATH = re.compile(r"/v2/models(/[^/]+(/versions/[^/]+)?)?/stats")
 GRPC_INFER, GRPC_OTHER = "grpc/ModelInfer", "grpc"
-INFER_ROUTES = {*PREDICT_PATHS, V2_INFER}
+INFER_ROUTES = {V2_INFER}
 
 
 def serve_predictions_at(path: str) -> None:
-    """Count `path` as a prediction route too (a plain LitAPI's api_path): admitted, guarded and labelled as
-    /predict is. Called in the main process, before the front ends are forked."""
+    """Count `path`, a model's own, as a prediction route: admitted, guarded and labelled as one. Called in the main
+    process, before the front ends are forked."""
     ROUTES.add(path)
     INFER_ROUTES.add(path)
 
