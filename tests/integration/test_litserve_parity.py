@@ -39,10 +39,12 @@ from imgserve.testing import wait_ready as wait_for
 LITSERVE = """
 import importlib, sys
 import litserve as ls
-module, _, name = sys.argv[1].partition(":")
-api = getattr(importlib.import_module(module), name)
-api = api() if isinstance(api, type) else api
-server = ls.LitServer(api, accelerator="cpu", devices=1, workers_per_device=1)
+apis = []
+for spec in sys.argv[1].split(","):
+    module, _, name = spec.partition(":")
+    api = getattr(importlib.import_module(module), name)
+    apis.append(api() if isinstance(api, type) else api)
+server = ls.LitServer(apis if len(apis) > 1 else apis[0], accelerator="cpu", devices=1, workers_per_device=1)
 server.run(host="127.0.0.1", port=int(sys.argv[2]), num_api_servers=1, generate_client_file=False)
 """
 SIMPLE = "litserve.test_examples.simple_example"
@@ -51,24 +53,25 @@ JSON_TYPE = "application/json"
 
 @contextlib.contextmanager
 def side_by_side(spec: str, log_dir: Path, ours: str | None = None, **settings: Any) -> Iterator[tuple[str, str]]:
-    """LitServe serving the API `spec` (module:Class or module:instance) and imgserve serving `ours` (the same API
-    unless given) with `settings`: their URLs."""
+    """LitServe serving the API `spec` (module:Class or module:instance; several, comma separated, as
+    LitServer([a, b])) and imgserve serving `ours` (the same APIs unless given) with `settings`: their URLs."""
     port = free_port()
     env = {key: value for key, value in os.environ.items() if not key.startswith("IMGSERVE_")}
     env["PYTHONPATH"] = os.pathsep.join([str(SUPPORT), str(REPO), env.get("PYTHONPATH", "")])
     with contextlib.ExitStack() as stack:
         theirs = start([sys.executable, "-c", LITSERVE, spec, str(port)], port, log_dir / f"litserve-{port}.log", env)
         stack.callback(stop, theirs)
-        served = start_server({"api": ours or spec, "api_servers": 1, "workers_per_device": 1, **settings}, log_dir)
+        apis = ours or spec
+        served = start_server({"api": apis, "api_servers": 1, "workers_per_device": 1, **settings}, log_dir)
         stack.callback(stop_server, served)
         wait_for(theirs, 120, ready_path="/health")
         wait_ready(served, 120)
         yield theirs.url, served.url
 
 
-def answer(url: str, **request: Any) -> tuple[int, str, Any]:
-    """POST /predict: the status, the media type and the body (parsed when JSON)."""
-    response = httpx.post(f"{url}/predict", timeout=30, **request)
+def answer(url: str, path: str = "/predict", **request: Any) -> tuple[int, str, Any]:
+    """POST `path`: the status, the media type and the body (parsed when JSON)."""
+    response = httpx.post(f"{url}{path}", timeout=30, **request)
     media = response.headers.get("content-type", "").split(";")[0]
     return response.status_code, media, response.json() if media == JSON_TYPE else response.content
 
@@ -169,6 +172,22 @@ def test_a_plain_litapis_form_is_read_with_the_limits_of_every_route(tmp_path: P
         assert "Too many files" in many.json()["detail"] and "not closed" in cut.json()["detail"]
         assert httpx.post(f"{server.url}/predict", files={"file": ("a.jpg", upload)}).status_code == 200
         assert server.metric("imgserve_requests_total", route="/predict", code="500") == 0
+
+
+def test_two_litapis_on_two_paths_answer_as_under_litserve(tmp_path: Path) -> None:
+    """`LitServer([squares, doubles])`, each LitAPI at its own api_path, against `imgserve serve --api ... --api ...`:
+    the same answers on both paths, errors included."""
+    requests = [
+        {"path": "/squares", "json": {"input": 3.0}},
+        {"path": "/doubles", "json": {"input": 3}},
+        {"path": "/doubles", "json": {"input": "three"}},  # FastAPI's 422 and its detail list
+        {"path": "/doubles", "json": {"input": -3}},  # HTTPException(400) in predict
+    ]
+    with side_by_side("parity_apis:squares,parity_apis:doubles", tmp_path) as urls:
+        answers = same_answers(urls, requests)
+        assert answer(urls[1], "/predict", json={"input": 3.0})[0] == 404  # neither is at /predict
+    assert [status for status, *_ in answers] == [200, 200, 422, 400]
+    assert answers[:2] == [(200, JSON_TYPE, {"output": 9.0}), (200, JSON_TYPE, {"output": 6.0})]
 
 
 def test_litserves_torch_example(tmp_path: Path) -> None:

@@ -5,8 +5,11 @@ metrics and /info, and the mistakes (two models on one name or one path) stopped
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from serving import SOURCE, SUPPORT, image_bytes, running_server
 from user_apis import recorded
 
 from imgserve.testing import free_port
+from loadtests.lib.closed_loop import LoadResult, run_closed_loop
 
 PNG = {"Content-Type": "image/png"}
 IMAGE = image_bytes(32, 24)
@@ -89,6 +93,46 @@ def test_batches_never_mix_models(tmp_path: Path) -> None:
     assert sorted(tag for batch in made for tag in batch) == sorted(f"{side}{i}" for i, side in enumerate(sides))
     assert all(len({tag.rstrip("0123456789") for tag in batch}) == 1 for batch in made), made
     assert max(len(batch) for batch in made) > 1, "nothing was batched"
+
+
+def test_a_flood_of_one_model_leaves_the_others_p50_within_twice_its_quiet_p50(tmp_path: Path) -> None:
+    """A flood of one model (64 users, far past its own queue bound: 503s with Retry-After for it) takes the workers in
+    turns with the other model's requests, which wait one of its batches at most, not behind its whole queue: the
+    other's median, its own batches twice as long as the flooded model's, stays within twice its quiet median."""
+    os.environ["USER_API_DELAY_S"] = "0.2"  # long beside the machine's own CPU work for a request
+    batching = {"max_batch_size": 4, "batch_timeout_ms": 5}
+    models = {
+        "flooded": {"api": "user_apis:HalfSlow", "api_path": "/flooded", **batching},
+        "quiet": {"api": "user_apis:Slow", "api_path": "/quiet", **batching},
+    }
+    try:
+        repository = write_repository(tmp_path / "m", models)
+        with running_server(tmp_path, model_repository=repository) as server, httpx.Client(timeout=30) as client:
+
+            def median_s(count: int = 10) -> float:
+                times = []
+                for _ in range(count):
+                    started = time.monotonic()
+                    assert client.post(f"{server.url}/quiet", content=IMAGE, headers=PNG).status_code == 200
+                    times.append(time.monotonic() - started)
+                return statistics.median(times)
+
+            alone = median_s()
+            flood: list[LoadResult] = []
+            flooding = threading.Thread(
+                target=lambda: flood.append(run_closed_loop(f"{server.url}/flooded", users=64, seconds=8))
+            )
+            flooding.start()
+            time.sleep(1.5)
+            crowded = median_s()
+            flooding.join(timeout=60)
+            assert server.metric("imgserve_rejected_total", reason="queue_full", model="quiet") == 0
+        print(f"the quiet model's median: {1000 * alone:.0f} ms alone, {1000 * crowded:.0f} ms beside the flood")
+        assert crowded <= 2 * alone, (alone, crowded)
+        codes = {outcome.status for outcome in flood[0].outcomes}
+        assert 503 in codes and codes <= {200, 503}, "the flooded model was not shed by its own queue bound"
+    finally:
+        os.environ.pop("USER_API_DELAY_S", None)
 
 
 def failed_start(*flags: str) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ the class that `decode_request` annotates its request with, as LitServe's users 
 import litserve as ls
 import numpy as np
 from fastapi import HTTPException
-from litserve.test_examples.simple_example import SimpleBatchedAPI
+from litserve.test_examples.simple_example import SimpleBatchedAPI, SimpleLitAPI
 from pydantic import BaseModel, Field
 
 
@@ -79,3 +79,8 @@ class StackedEmbedding(ls.LitAPI):
 
 
 batched_embedding = StackedEmbedding(max_batch_size=4, batch_timeout=0.01)
+
+
+# Two LitAPIs of one server, each at its own path (LitServer([squares, doubles]), LitServe's several APIs).
+squares = SimpleLitAPI(api_path="/squares")
+doubles = ValidatedLitAPI(api_path="/doubles")

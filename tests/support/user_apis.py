@@ -68,10 +68,18 @@ class Tagged(ImageAPI):
 class Slow(Tagged):
     """Tagged, with each batch taking USER_API_DELAY_S seconds (default 0.5): queues, deadlines and drains show."""
 
+    share = 1.0  # of USER_API_DELAY_S that each batch takes
+
     def predict(self, batch: dict[str, Any]) -> dict[str, Any]:
         output = super().predict(batch)  # records first: what reached the model, however long it takes
-        time.sleep(float(os.environ.get("USER_API_DELAY_S", "0.5")))
+        time.sleep(self.share * float(os.environ.get("USER_API_DELAY_S", "0.5")))
         return output
+
+
+class HalfSlow(Slow):
+    """Slow, with each batch taking half of USER_API_DELAY_S: a model whose batches are shorter than another's."""
+
+    share = 0.5
 
 
 class Faulty(Tagged):

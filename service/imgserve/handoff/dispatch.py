@@ -104,9 +104,8 @@ class Dispatcher:
         self._tickets = itertools.count(time.monotonic_ns() // 1000)
         self._pending: dict[str, _Pending] = {}
         self._front_end, self._requests = front_end, requests
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._outboxes: dict[int, queue.SimpleQueue[bytes]] = {}  # per model, with its sender thread, made when needed
         self._loop = asyncio.get_running_loop()
-        threading.Thread(target=self._send_forever, name="imgserve-sender", daemon=True).start()
         self._answers = answers
         self._loop.add_reader(answers.fileno(), self._read_answers)
         self._sweeper = self._loop.create_task(self._sweep())
@@ -218,17 +217,23 @@ class Dispatcher:
 
     # The hand-off itself.
     def _send(self, model: int, message: bytes) -> None:
-        """Queue a request for the workers on its model's socket from the event loop; the sender thread queues it
-        (waiting for room) when that socket's queue is full, or while earlier requests still wait for room (so order
-        holds)."""
+        """Queue a request for the workers on its model's socket from the event loop; that model's sender thread
+        queues it (waiting for room) when the socket's queue is full, or while the model's earlier requests still
+        wait for room (so each model's order holds, and one model's full queue holds back no other's)."""
+        outbox = self._outboxes.get(model)
         with contextlib.suppress(OSError):  # the workers' socket is gone: the server is stopping (see _lost)
-            if self._outbox.empty() and self._requests[model].put_nowait(message):
+            if (outbox is None or outbox.empty()) and self._requests[model].put_nowait(message):
                 return
-        self._outbox.put((model, message))
+        if outbox is None:
+            outbox = self._outboxes[model] = queue.SimpleQueue()
+            threading.Thread(
+                target=self._send_forever, args=(model, outbox), name="imgserve-sender", daemon=True
+            ).start()
+        outbox.put(message)
 
-    def _send_forever(self) -> None:
+    def _send_forever(self, model: int, outbox: queue.SimpleQueue[bytes]) -> None:
         while True:
-            model, message = self._outbox.get()
+            message = outbox.get()
             try:
                 self._requests[model].put(message)
             except OSError:  # the workers' socket is gone: the server is stopping
