@@ -135,6 +135,24 @@ def test_a_flood_of_one_model_leaves_the_others_p50_within_twice_its_quiet_p50(t
         os.environ.pop("USER_API_DELAY_S", None)
 
 
+def test_eight_small_models_cost_little_more_memory_than_one(tmp_path: Path) -> None:
+    """Several models share a server's processes (on a GPU, its CUDA context): eight near-free models, each warm,
+    cost the summed PSS of one plus little, not eight servers' (loadtests/models_memory.py measures the table)."""
+
+    def settled_pss(count: int) -> int:
+        models = {f"m{index}": {"api": "user_apis:Tagged", "api_path": f"/m{index}"} for index in range(count)}
+        repository = write_repository(tmp_path / f"r{count}", models)
+        with running_server(tmp_path, model_repository=repository, workers_per_device=1, api_servers=1) as server:
+            for index in range(2 * count):
+                assert httpx.post(f"{server.url}/m{index % count}", content=IMAGE, headers=PNG).status_code == 200
+            time.sleep(1)
+            return server.tree_pss()
+
+    one, eight = settled_pss(1), settled_pss(8)
+    print(f"summed PSS: {one >> 20} MiB with one model, {eight >> 20} MiB with eight")
+    assert eight < 1.25 * one, (one, eight)
+
+
 def failed_start(*flags: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "imgserve", "serve", "--host", "127.0.0.1", "--port", str(free_port()), *flags]
     env = {key: value for key, value in os.environ.items() if not key.startswith("IMGSERVE_")}
