@@ -5,7 +5,6 @@ codes, the stream, API keys, metric labels, the shared-memory RPCs."""
 from __future__ import annotations
 
 import contextlib
-
 import io
 import json
 import queue
