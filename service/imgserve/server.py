@@ -20,7 +20,7 @@ from typing import Any
 import litserve as ls
 import torch
 
-from imgserve import metrics
+from imgserve import metrics, tracing
 from imgserve.api import ImageAPI
 from imgserve.config import Access, Batching, Logging, Settings
 from imgserve.frontend import process as front_end_process
@@ -65,6 +65,9 @@ def serve(settings: Settings, directory: ServerDirectory, api: ls.LitAPI | None 
         elif given := settings.model_settings_given():
             flags = ", ".join(f"--{name.replace('_', '-')}" for name in given)
             raise StartupError(f"{flags}: the built-in model's settings do not apply to an API of your own")
+        tracing_problem = tracing.check()  # the SDK itself starts in each child process, after its fork or spawn
+        if tracing_problem is not None:
+            raise StartupError(tracing_problem)
         keys = Keys.load(settings.part(Access), directory.root / "api-keys")  # a key source without a key: none
         serves_grpc = settings.grpc_port and not (user_api is not None and not isinstance(user_api, ImageAPI))
         if serves_grpc and not port_free(settings.host, settings.grpc_port):
@@ -166,7 +169,7 @@ class Processes:
             "host": settings.host,
             "port": settings.port,
             "log_level": settings.log_level,
-            "access_log": settings.access_log,
+            "access_log": False,  # the front ends write their own line, with the request id (frontend/tracing.py)
             "http": GuardedHttpToolsProtocol.configured(settings, self.front_end.inference.admission),
         }
         # A forked child shares the main process's Python objects until either writes to their pages, and a full
@@ -251,7 +254,7 @@ def processes(pod: Pod, directory: ServerDirectory, keys: Keys) -> Processes:
         settings.trust_pickle,
     )
     worker = worker_process.WorkerSpec(
-        served.api, worker_plan, state, requests, answers, settings.part(Logging), os.getpid()
+        served.api, worker_plan, state, requests, answers, settings.part(Logging), os.getpid(), served.name
     )
     return Processes(front_end, worker)
 

@@ -35,6 +35,7 @@ TOP_LEVEL: dict[str, set[str]] = {
     "imgserve.metrics": set(),
     "imgserve.pins": set(),
     "imgserve.pod": set(),
+    "imgserve.tracing": set(),  # the OTEL_* variables, the SDK set up in each child, the request id, the trace context
     "imgserve.version": set(),
     "imgserve": {"imgserve.cli"},  # the public names, `serve` among them (imported on first use)
     "imgserve.startup": {"models", "worker"},  # the main process, before the composition root builds the server

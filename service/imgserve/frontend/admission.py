@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from imgserve.config import ServerSettings
 from imgserve.errors import ApiError
+from imgserve.frontend import tracing
 from imgserve.frontend.telemetry import INFER_ROUTES, route
 from imgserve.handoff.state import SharedState
 from imgserve.metrics import REJECTED
@@ -79,14 +80,15 @@ class AdmissionMiddleware:
             return await self.app(scope, receive, send)
         state = scope.setdefault("state", {})
         try:
-            deadline = self._deadline(scope, state.get("first_byte", time.monotonic()))
-            self._check_declared_size(scope)
-            refusal = self.admission.refusal()
-            if refusal is not None:
-                raise refusal
-            body = await self._receive_body(receive, deadline)
-            if body is None:  # the client left, or the connection layer cut a too-slow upload
-                raise state.get("refusal") or ApiError(499, "client_disconnected", "the client left mid-upload")
+            with tracing.step("admission"):
+                deadline = self._deadline(scope, state.get("first_byte", time.monotonic()))
+                self._check_declared_size(scope)
+                refusal = self.admission.refusal()
+                if refusal is not None:
+                    raise refusal
+                body = await self._receive_body(receive, deadline)
+                if body is None:  # the client left, or the connection layer cut a too-slow upload
+                    raise state.get("refusal") or ApiError(499, "client_disconnected", "the client left mid-upload")
         except ApiError as error:
             return await error.response(scope["path"])(scope, receive, send)
         state["deadline"] = deadline

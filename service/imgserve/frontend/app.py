@@ -21,7 +21,7 @@ from imgserve import heap
 from imgserve.api import ImageAPI
 from imgserve.config import Access, Batching, RequestLimits, ServerSettings
 from imgserve.errors import install_handlers
-from imgserve.frontend import docs_page, openapi, telemetry
+from imgserve.frontend import docs_page, openapi, telemetry, tracing
 from imgserve.frontend.admission import Admission, AdmissionMiddleware
 from imgserve.frontend.auth import ApiKeyMiddleware, Keys
 from imgserve.frontend.inference import Inference
@@ -101,15 +101,19 @@ class FrontEnd:
             routes.extend(docs_page.routes(described))
 
     def _add_middlewares(self, admission: Admission) -> None:
-        """Outermost first: count every answer, check keys, then admit inference requests."""
+        """Outermost first: the request's id and trace, count every answer, check keys, then admit inference
+        requests."""
         self.app.add_middleware(AdmissionMiddleware, admission=admission, settings=self.settings)
         self.app.add_middleware(ApiKeyMiddleware, access=self.settings.part(Access), keys=self.keys)
         self.app.add_middleware(telemetry.MetricsMiddleware)
+        self.app.add_middleware(tracing.RequestMiddleware, model=self.served.name)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
-        """One front end's start: its dispatcher (requests and answers on its event loop), its decoding threads on a
-        few heap arenas; the first one also serves gRPC (--grpc-port) on its event loop, until it stops."""
+        """One front end's start: its access log and tracing, its dispatcher (requests and answers on its event loop),
+        its decoding threads on a few heap arenas; the first one also serves gRPC (--grpc-port) on its event loop,
+        until it stops."""
+        tracing.start(self.settings.access_log)
         heap.few_arenas()
         self.state.serve_as(self.index)
         self.inference.dispatcher.start(self.index, self.requests, self.answers.receiver(self.index))

@@ -23,6 +23,7 @@ from imgserve.handoff.requests import RequestSocket
 from imgserve.handoff.state import SharedState
 from imgserve.lifetime import die_with_parent
 from imgserve.models.loader import ModelLoadError
+from imgserve.worker import tracing
 from imgserve.worker.gather import Gatherer
 from imgserve.worker.serving import Worker, WorkerPlan
 
@@ -32,7 +33,8 @@ TRIM_AFTER_IDLE_S = 2.0  # a worker idle this long gives the memory of its last 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What every worker process is started with (the API is pickled into the spawned process, as LitServe does)."""
+    """What every worker process is started with (the API is pickled into the spawned process, as LitServe does);
+    `model` is the API's name on the Open Inference Protocol, on the worker's spans."""
 
     api: ImageAPI
     plan: WorkerPlan
@@ -41,6 +43,7 @@ class WorkerSpec:
     answers: AnswerSockets
     logging: Logging
     parent_pid: int
+    model: str = ""
 
 
 def run(spec: WorkerSpec, index: int, device: str) -> None:
@@ -48,6 +51,7 @@ def run(spec: WorkerSpec, index: int, device: str) -> None:
     die_with_parent(spec.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec.logging.configure_logging()
+    tracing.start(spec.model)
     worker = Worker(spec.api, spec.state, spec.plan, device)
     try:
         worker.setup()
@@ -75,5 +79,7 @@ def serve(worker: Worker, gatherer: Gatherer, answers: AnswerSockets, batch_time
         except Exception:
             log.exception("the worker failed on a batch of %d", len(batch))
             outputs = [ApiError(500, "internal_error", "the inference worker failed on this batch")] * len(batch)
+            worker.ran = None
         for request, output in zip(batch, outputs, strict=True):
             answers.send(request.front_end, request.uid, output)
+        tracing.record(batch, outputs, worker.ran)  # after the answers: no request waits for its spans

@@ -31,6 +31,7 @@ from imgserve.models.loader import ModelLoadError, load_model
 from imgserve.models.shared import SharedWeights
 from imgserve.pod import TorchThreads
 from imgserve.worker.batching import BatchRunner, Shape
+from imgserve.worker.tracing import Ran
 
 log = logging.getLogger(__name__)
 INLINE_BYTES = 64 * 1024  # outputs up to this size (class scores) travel in the answer message, larger in the slot
@@ -61,6 +62,7 @@ class Worker:
         self.api, self.state, self.plan, self.device = api, state, plan, device
         self.max_batch_size = plan.batch_size
         self.slots = SlotFiles(plan.slot_directory)
+        self.ran: Ran | None = None  # what the last batch's answer noted, for its spans (worker/tracing.py)
 
     def setup(self) -> None:
         """Set up the API on its device, warm it up on its example request, measure its memory and fix the batch
@@ -111,7 +113,7 @@ class Worker:
     def answer(self, requests: list[RequestMessage]) -> list[Any]:
         """One answer per request message: what is past its deadline is never computed (504); the rest are read
         from their slots, run, and answered with their outputs (or each its own error)."""
-        now = time.monotonic()
+        self.ran, now = None, time.monotonic()
         answers: list[Any] = [ApiError(504, "deadline", "the deadline passed in the queue")] * len(requests)
         live = [i for i, request in enumerate(requests) if request.deadline > now]  # front ends count the rest
         values: dict[int, Any] = {}
@@ -119,17 +121,20 @@ class Worker:
             metrics.QUEUE_WAIT.observe(now - requests[i].queued)
             values[i], answers[i] = _guarded(self._read, requests[i], where="reading the request")
         ready = [i for i in live if answers[i] is None]
+        self.ran = Ran(now, ready, now, now)
         if not ready:
             return answers
         metrics.BATCH_SIZE.observe(len(ready))
         metrics.INFLIGHT.set(len(ready))
         self._set_threads(len(ready))
-        started = time.perf_counter()
+        started = time.monotonic()
         try:
             outputs = self.runner([values[i] for i in ready])
         finally:
-            metrics.INFERENCE_DURATION.observe(time.perf_counter() - started)
+            ended = time.monotonic()
+            metrics.INFERENCE_DURATION.observe(ended - started)
             metrics.INFLIGHT.set(0)
+        self.ran = Ran(now, ready, started, ended)
         self.heap.after_batch(self.runner.last_need_bytes)
         for i, output in zip(ready, outputs, strict=True):
             answers[i] = output if isinstance(output, ApiError) else self._placed(requests[i], output, values[i])
