@@ -92,10 +92,10 @@ def _exporter(name: str, environ: Mapping[str, str]) -> type:
 
 
 def provider(role: str, environ: Mapping[str, str] = os.environ) -> Any:
-    """This process's TracerProvider, made the global one (a user's hooks may add spans of their own): the resource
-    from the environment (service.name imgserve unless set) and `imgserve.process` = `role`, the sampler from
-    OTEL_TRACES_SAMPLER, each exporter behind a BatchSpanProcessor. Call it once, in the process that traces."""
-    from opentelemetry import trace
+    """This process's TracerProvider: the resource from the environment (service.name imgserve unless set) and
+    `imgserve.process` = `role`, the sampler from OTEL_TRACES_SAMPLER, each exporter behind a BatchSpanProcessor.
+    Call it once, in the process that traces. It is imgserve's own, not the global provider: a global one would turn
+    on FastAPI's native telemetry (fastapi >= 0.16x), which would make a second server span of every request."""
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
@@ -103,7 +103,6 @@ def provider(role: str, environ: Mapping[str, str] = os.environ) -> Any:
     made = TracerProvider(resource=Resource.create({"service.name": "imgserve", "imgserve.process": role}))
     for name in exporters(environ):
         made.add_span_processor(BatchSpanProcessor(_exporter(name, environ)()))
-    trace.set_tracer_provider(made)
     return made
 
 
