@@ -106,6 +106,22 @@ def test_sidebyside_serves_every_contender_and_compares_each_pair(tmp_path: Path
     assert any(row.startswith("| | near-free ImageAPI / near-free model file | | ") for row in rows)
 
 
+def test_sidebyside_with_tracing_adds_the_traced_denoiser_to_the_c64_cell(tmp_path: Path) -> None:
+    """--tracing: one more contender, this tree's denoiser with OpenTelemetry on at 10% to the given endpoint, in the
+    64-user denoiser cell only, after the code before (each cell's reference) and tracing off."""
+    found = sidebyside.contenders(tmp_path, tmp_path, "http://127.0.0.1:4318")
+    (traced,) = [contender for contender in found if contender.name == sidebyside.TRACED]
+    assert traced.env == {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0.1",
+    }
+    assert sidebyside.TRACED not in {c.name for c in sidebyside.contenders(tmp_path, tmp_path)}
+    plan = {cell.name: cell.contenders for cell in sidebyside.cells(tmp_path, traced=True)}
+    assert plan["denoiser, bench images, c=64"] == ("denoiser before", "denoiser", sidebyside.TRACED)
+    assert plan["denoiser, bench images, c=1"] == ("denoiser before", "denoiser")
+
+
 def test_sidebyside_turns_alternate_so_no_contender_always_runs_first() -> None:
     servers = [sidebyside.Contender(name, Path("."), {}) for name in ("a", "b", "c")]
     assert [[c.name for c in sidebyside.turns(servers, index)] for index in range(3)] == [

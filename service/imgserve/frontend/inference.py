@@ -105,7 +105,7 @@ class Inference:
         """Item `index` queued for the workers, and its answer; with tracing on, the worker's spans hang under this
         step's."""
         with tracing.step("hand-off", item=index) as span:
-            return await slot.submit(item, deadline, tracing.carried(span))
+            return await slot.submit(item, deadline, tracing.to_worker(span))
 
     @staticmethod
     def _decode_into(steps: Steps[Call], call: Call, slot: Slot) -> Any:

@@ -93,7 +93,7 @@ def failed(span: Any, exc: BaseException) -> None:
     tracing.failed(span, 500, type(exc).__name__, f"{type(exc).__name__}: {exc}"[:300])
 
 
-def carried(span: Any) -> str:
+def to_worker(span: Any) -> str:
     """What travels to the worker for a `hand-off` span: "" unless the span is sampled (the worker makes no span)."""
     if span is None:
         return ""
