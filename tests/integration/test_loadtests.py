@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from imgserve.testing import RunningServer, free_port, serve_command
-from loadtests import bench, capacity, gpu_check, latency, overhead, sidebyside
+from loadtests import bench, capacity, gpu_check, latency, overhead, sidebyside, tracing_cost
 from loadtests.lib import closed_loop
 from loadtests.lib.closed_loop import LoadResult, Outcome, run_closed_loop
 from loadtests.lib.images import check_answer, sample_images
@@ -120,6 +120,13 @@ def test_sidebyside_with_tracing_adds_the_traced_denoiser_to_the_c64_cell(tmp_pa
     plan = {cell.name: cell.contenders for cell in sidebyside.cells(tmp_path, traced=True)}
     assert plan["denoiser, bench images, c=64"] == ("denoiser before", "denoiser", sidebyside.TRACED)
     assert plan["denoiser, bench images, c=1"] == ("denoiser before", "denoiser")
+
+
+def test_tracing_cost_times_the_request_id_and_the_steps_with_tracing_off(capsys: pytest.CaptureFixture) -> None:
+    assert tracing_cost.main(["--requests", "200"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["request id middleware", "six steps, tracing off", "together"]
+    assert all(float(line.split(":")[1].split()[0].lstrip("+")) > 0 for line in lines)
 
 
 def test_sidebyside_turns_alternate_so_no_contender_always_runs_first() -> None:
