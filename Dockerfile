@@ -43,10 +43,11 @@ RUN apt-get update \
 # torch first, from the PyTorch index built for the base image's CUDA: the largest layer, and the one that changes least.
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX_URL}"
 
-# The other dependencies from pyproject.toml alone, so editing the code does not reinstall them.
+# The other dependencies from pyproject.toml alone (with the NVIDIA and OpenTelemetry extras, so the chart's `tracing`
+# works), so editing the code does not reinstall them.
 WORKDIR /src
 COPY pyproject.toml ./
-RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['gpu']))" > /tmp/requirements.txt \
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; print('\n'.join(p['dependencies'] + p['optional-dependencies']['gpu'] + p['optional-dependencies']['tracing']))" > /tmp/requirements.txt \
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 

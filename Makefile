@@ -15,7 +15,7 @@ $(BIN)/activate:
 # torch is pinned in the install command: an unpinned torch pulls a multi-GB CUDA build.
 $(VENV)/.installed: $(BIN)/activate pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0 -e '.[test,gpu]'
+	$(BIN)/pip install -q torch==2.13.0 -e '.[test,gpu,tracing]'
 	touch $@
 
 serve: $(BIN)/activate

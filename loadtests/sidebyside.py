@@ -1,12 +1,16 @@
 """imgserve against imgserve: the same cells served in turns by different source trees or settings, in one run.
 
-`python -m loadtests.sidebyside [--before DIR] [--rounds 3] [--seconds 10] --out loadtests/results/sidebyside.md`
+`python -m loadtests.sidebyside [--before DIR] [--tracing] [--rounds 3] [--seconds 10] --out FILE.md`
 
 What a change did to speed is read side by side, never against a figure measured earlier on a machine whose speed
 drifts: each round starts a fresh server of every contender in turn (in reverse order every other round, so none
 always runs first) and runs every cell on it.
 - With `--before DIR` (a checkout of the code before a change, e.g. `git worktree add /tmp/before <commit>`), the
   built-in denoiser of that tree against this one's: one user (c=1) and 64 users on the benchmark's images.
+- With `--tracing`, also this tree's denoiser with OpenTelemetry tracing on, 10% of the requests sampled
+  (parentbased_traceidratio 0.1), its spans exported over OTLP/HTTP to a sink in this process
+  (loadtests/lib/otlp_sink.py), at 64 users.
+Each cell's first contender is the reference the others are divided by (the code before, when given).
 - Always, in this tree: a near-free model (x.clamp(0, 1)) served as a model file by the built-in API, against the
   same work written as a user's own ImageAPI (loadtests/lib/toy_apis.py), 128x128 JPEGs at 64 users; and the CPU
   each process of the server used per answer, which shows where decoding ran.
@@ -27,6 +31,7 @@ from pathlib import Path
 from imgserve.testing import free_port, serve_command
 from loadtests.lib.closed_loop import run_closed_loop
 from loadtests.lib.images import SampleImage, sample_images, square_jpegs
+from loadtests.lib.otlp_sink import otlp_sink
 from loadtests.lib.report import machine, publish
 from loadtests.lib.servers import SOURCE, CpuWindow, running_server
 from loadtests.overhead import write_clamp_model
@@ -36,11 +41,12 @@ REPO = SOURCE.parent
 
 @dataclass(frozen=True)
 class Contender:
-    """A server: the source tree it runs and its settings."""
+    """A server: the source tree it runs, its settings and any other environment (OTEL_* variables)."""
 
     name: str
     source: Path
     settings: dict[str, str]
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,8 @@ class Results:
             table.setdefault(key, []).append(value)
 
 
-def contenders(before: Path | None, work: Path) -> list[Contender]:
+def contenders(before: Path | None, work: Path, traces_to: str | None = None) -> list[Contender]:
+    """Every server of the run; with `traces_to` (an OTLP/HTTP endpoint) also the traced denoiser."""
     clamp = str(write_clamp_model(work / "clamp.ts"))
     found = [
         Contender("denoiser", SOURCE, {}),
@@ -76,15 +83,21 @@ def contenders(before: Path | None, work: Path) -> list[Contender]:
     ]
     if before is not None:
         found.append(Contender("denoiser before", before / "service", {}))
+    if traces_to is not None:
+        sampled = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
+        found.append(Contender(TRACED, SOURCE, {}, {"OTEL_EXPORTER_OTLP_ENDPOINT": traces_to, **sampled}))
     return found
 
 
-def cells(before: Path | None) -> list[Cell]:
-    denoisers = ("denoiser", "denoiser before") if before is not None else ("denoiser",)
+TRACED = "denoiser traced 10%"
+
+
+def cells(before: Path | None, traced: bool = False) -> list[Cell]:
+    denoisers = ("denoiser before", "denoiser") if before is not None else ("denoiser",)
     near_free = ("near-free model file", "near-free ImageAPI")
     return [
         Cell("denoiser, bench images, c=1", sample_images(), 1, denoisers),
-        Cell("denoiser, bench images, c=64", sample_images(), 64, denoisers),
+        Cell("denoiser, bench images, c=64", sample_images(), 64, (*denoisers, *([TRACED] if traced else []))),
         Cell("near-free, 128x128, c=64", square_jpegs(128), 64, near_free),
     ]
 
@@ -97,7 +110,7 @@ def turns(servers: list[Contender], index: int) -> list[Contender]:
 def run_round(contender: Contender, plan: list[Cell], seconds: float, work: Path, results: Results) -> None:
     """A fresh server of `contender`, every cell of the plan it is in."""
     port = free_port()
-    env = {f"IMGSERVE_{key.upper()}": value for key, value in contender.settings.items()}
+    env = {f"IMGSERVE_{key.upper()}": value for key, value in contender.settings.items()} | contender.env
     env["PYTHONPATH"] = str(REPO)  # loadtests.lib.toy_apis for the user API
     log = work / f"{contender.name.replace(' ', '-')}-{port}.log"
     with running_server(serve_command(port), port, log, "/health/ready", env, source=contender.source) as server:
@@ -127,31 +140,35 @@ def report(results: Results, plan: list[Cell]) -> str:
                 f"| {cell.name} | {name} | {rounds_text} | {medians[0]:.1f} | {medians[1]:.1f} | "
                 f"{medians[2]:.1f} | {cpu:.2f} |"
             )
-        if len(cell.contenders) == 2:
-            first, second = (statistics.median(results.rps[(cell.name, name)]) for name in cell.contenders)
-            lines.append(f"| | {cell.contenders[1]} / {cell.contenders[0]} | | {second / first:.3f}x | | | |")
+        first = statistics.median(results.rps[(cell.name, cell.contenders[0])])
+        for name in cell.contenders[1:]:
+            ratio = statistics.median(results.rps[(cell.name, name)]) / first
+            lines.append(f"| | {name} / {cell.contenders[0]} | | {ratio:.3f}x | | | |")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, help="a checkout of the code before a change (its denoiser cells)")
+    parser.add_argument("--tracing", action="store_true", help="also the denoiser traced, 10%% sampled (c=64)")
     parser.add_argument("--rounds", type=int, default=3, help="fresh servers of every contender, in turns")
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per cell")
     parser.add_argument("--out", type=Path, help="write the report here too")
     args = parser.parse_args(argv)
-    plan = cells(args.before)
+    plan = cells(args.before, args.tracing)
     results = Results()
-    with tempfile.TemporaryDirectory() as directory:
+    with tempfile.TemporaryDirectory() as directory, otlp_sink() as (endpoint, received):
         work = Path(directory)
-        servers = contenders(args.before, work)
+        servers = contenders(args.before, work, endpoint if args.tracing else None)
         for index in range(args.rounds):
             for contender in turns(servers, index):
                 run_round(contender, plan, args.seconds, work, results)
+    exported = f" The traced servers exported {received.exports} batches of spans ({received.bytes} bytes)."
+    traces = exported if args.tracing else ""
     command = shlex.join(["python", "-m", "loadtests.sidebyside", *(argv or sys.argv[1:])])
     text = (
         f"# Side by side ({datetime.date.today()})\n\n`{command}` on {machine()}, {args.rounds} rounds of "
-        f"{args.seconds:.0f} s per cell.\n\n{report(results, plan)}\n"
+        f"{args.seconds:.0f} s per cell.{traces}\n\n{report(results, plan)}\n"
     )
     if args.out is None:
         print(text)

@@ -24,7 +24,7 @@ import litserve as ls
 import msgpack
 import torch
 
-from imgserve import metrics
+from imgserve import metrics, tracing
 from imgserve.api import ImageAPI
 from imgserve.config import Access, Logging, Settings
 from imgserve.frontend import process as front_end_process
@@ -66,6 +66,9 @@ def serve(settings: Settings, directory: ServerDirectory, apis: Sequence[ls.LitA
     settings.configure_logging()
     try:
         chosen = _checked(settings, chosen_models(settings, list(apis)))
+        tracing_problem = tracing.check()  # the SDK itself starts in each child process, after its fork or spawn
+        if tracing_problem is not None:
+            raise StartupError(tracing_problem)
         keys = Keys.load(settings.part(Access), directory.root / "api-keys")  # a key source without a key: none
         with_v2 = any(one.api is None or isinstance(one.api, ImageAPI) for one in chosen)
         if settings.grpc_port and with_v2 and not port_free(settings.host, settings.grpc_port):
@@ -203,7 +206,7 @@ class Processes:
             "host": settings.host,
             "port": settings.port,
             "log_level": settings.log_level,
-            "access_log": settings.access_log,
+            "access_log": False,  # the front ends write their own line, with the request id (frontend/tracing.py)
             "http": GuardedHttpToolsProtocol.configured(settings, self.front_end.inference.admission),
         }
         pipes: dict[int, Connection] = {}  # each worker's control pipe, the main process's end

@@ -833,3 +833,19 @@ def test_the_rendered_repository_is_served_and_passes_its_helm_test(tmp_path: Pa
         assert "restore ready" in passed.stdout and "restore predict ok at /restore/predict" in passed.stdout
         failed = helm_test('["restore", "sharpen"]')
         assert failed.returncode != 0 and "HTTP Error 400" in failed.stderr, failed.stderr
+
+
+def test_tracing_renders_opentelemetrys_own_variables_only_when_an_endpoint_is_set() -> None:
+    """`tracing` becomes the OTEL_* variables the server reads (imgserve/tracing.py), with the pod and namespace as
+    resource attributes; without an endpoint none is rendered (tracing off), and the schema refuses a bad ratio."""
+    container = server_container("tracing")
+    env = env_of(container)
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://otel-collector.observability:4317"
+    assert (env["OTEL_EXPORTER_OTLP_PROTOCOL"], env["OTEL_TRACES_SAMPLER"]) == ("grpc", "parentbased_traceidratio")
+    assert (env["OTEL_TRACES_SAMPLER_ARG"], env["OTEL_SERVICE_NAME"]) == ("0.25", RELEASE)  # the full name
+    pod = next(e for e in container["env"] if e["name"] == "OTEL_K8S_POD_NAME")
+    assert pod["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["OTEL_RESOURCE_ATTRIBUTES"] == f"k8s.namespace.name={NAMESPACE},k8s.pod.name=$(OTEL_K8S_POD_NAME)"
+    assert not [e for e in server_container("defaults")["env"] if e["name"].startswith("OTEL_")]
+    refused = helm("template", RELEASE, str(CHART), *values_args("tracing"), "--set", "tracing.ratio=2", check=False)
+    assert refused.returncode != 0 and "/tracing/ratio" in refused.stderr, refused.stderr

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from imgserve.testing import RunningServer, free_port, serve_command
-from loadtests import bench, capacity, gpu_check, latency, overhead, sidebyside
+from loadtests import bench, capacity, gpu_check, latency, overhead, sidebyside, tracing_cost
 from loadtests.lib import closed_loop
 from loadtests.lib.closed_loop import LoadResult, Outcome, run_closed_loop
 from loadtests.lib.images import check_answer, sample_images
@@ -104,6 +104,29 @@ def test_sidebyside_serves_every_contender_and_compares_each_pair(tmp_path: Path
         answers_per_s, cpu_ms = float(row.split("|")[4]), float(row.split("|")[7])
         assert answers_per_s > 0 and cpu_ms > 0
     assert any(row.startswith("| | near-free ImageAPI / near-free model file | | ") for row in rows)
+
+
+def test_sidebyside_with_tracing_adds_the_traced_denoiser_to_the_c64_cell(tmp_path: Path) -> None:
+    """--tracing: one more contender, this tree's denoiser with OpenTelemetry on at 10% to the given endpoint, in the
+    64-user denoiser cell only, after the code before (each cell's reference) and tracing off."""
+    found = sidebyside.contenders(tmp_path, tmp_path, "http://127.0.0.1:4318")
+    (traced,) = [contender for contender in found if contender.name == sidebyside.TRACED]
+    assert traced.env == {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0.1",
+    }
+    assert sidebyside.TRACED not in {c.name for c in sidebyside.contenders(tmp_path, tmp_path)}
+    plan = {cell.name: cell.contenders for cell in sidebyside.cells(tmp_path, traced=True)}
+    assert plan["denoiser, bench images, c=64"] == ("denoiser before", "denoiser", sidebyside.TRACED)
+    assert plan["denoiser, bench images, c=1"] == ("denoiser before", "denoiser")
+
+
+def test_tracing_cost_times_the_request_id_and_the_steps_with_tracing_off(capsys: pytest.CaptureFixture) -> None:
+    assert tracing_cost.main(["--requests", "200"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["request id middleware", "six steps, tracing off", "together"]
+    assert all(float(line.split(":")[1].split()[0].lstrip("+")) > 0 for line in lines)
 
 
 def test_sidebyside_turns_alternate_so_no_contender_always_runs_first() -> None:

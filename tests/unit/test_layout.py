@@ -36,13 +36,11 @@ TOP_LEVEL: dict[str, set[str]] = {
     "imgserve.pins": set(),
     "imgserve.pod": set(),
     "imgserve.served": set(),  # the catalog of the server's models, in every process
+    "imgserve.tracing": set(),  # the OTEL_* variables, the SDK set up in each child, the request id, the trace context
     "imgserve.version": set(),
     "imgserve": {"imgserve.cli"},  # the public names, `serve` among them (imported on first use)
-    "imgserve.startup": {"models", "worker"},
-    "imgserve.repository": {
-        "models",
-        "imgserve.startup",
-    },  # the models asked for, into the catalog  # the main process, before the composition root builds the server
+    "imgserve.startup": {"models", "worker"},  # the main process, before the composition root builds the server
+    "imgserve.repository": {"models", "imgserve.startup"},  # the models asked for, into the catalog
     "imgserve.testing": {"worker"},  # a user's hooks run in the test's own process
     "imgserve.server": {
         "frontend",

@@ -15,8 +15,9 @@ from imgserve.handoff import wire
 from imgserve.handoff.items import BytesInSlot, InSlot
 
 ITEM = {"image": InSlot(0, (512, 512, 3), "|u1"), "threshold": 0.5, "box": [1, 2, 3, 4], "name": "cat"}
-REQUEST = wire.RequestMessage(1, "3f2a-uid", 3, 17, 2, 11.0, 42.0, ITEM)
-PLAIN = [1, "uid", 3, 17, 2, 11.0, 42.0, {"threshold": 0.5}]  # a request plain msgpack can pack, to break by hand
+TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01 req-42"  # tracing.carry's: traceparent, request id
+REQUEST = wire.RequestMessage(1, "3f2a-uid", 3, 17, 2, 11.0, 42.0, ITEM, TRACE)
+PLAIN = [1, "uid", 3, 17, 2, 11.0, 42.0, {"threshold": 0.5}, ""]  # a request plain msgpack can pack, to break by hand
 OUTPUTS = [
     InSlot(0, (512, 512, 3), "|u1"),
     {"mask": InSlot(786432, (512, 512), "|u1"), "png": BytesInSlot(1048576, 40000), "scores": [0.1, 0.9]},
@@ -30,6 +31,8 @@ OUTPUTS = [
 
 def test_requests_and_answers_round_trip() -> None:
     assert wire.unpack_request(wire.pack_request(REQUEST)) == REQUEST
+    untraced = wire.RequestMessage(1, "3f2a-uid", 3, 17, 11.0, 42.0, ITEM)
+    assert wire.unpack_request(wire.pack_request(untraced)).trace == ""
     for output in OUTPUTS:
         uid, got = wire.unpack_answer(wire.pack_answer("3f2a-uid", output))
         assert uid == "3f2a-uid"
@@ -51,16 +54,23 @@ def test_a_value_the_wire_does_not_carry_is_refused_when_sent() -> None:
     "data",
     [
         pickle.dumps(REQUEST),
-        msgpack.packb([*PLAIN[:7], {1: 2}]),  # keys are strings
+        msgpack.packb([*PLAIN[:7], {1: 2}, ""]),  # keys are strings
         msgpack.packb(PLAIN[:3]),
         msgpack.packb([*PLAIN[:5], float("nan"), *PLAIN[6:]]),
         msgpack.packb([True, *PLAIN[1:]]),
-        msgpack.packb(PLAIN[:7]),  # no item
+        msgpack.packb(PLAIN[:7]),  # neither item nor trace context
         msgpack.packb([*PLAIN[:2], [1], *PLAIN[3:]]),
         msgpack.packb([*PLAIN[:2], -1, *PLAIN[3:]]),
         msgpack.packb([*PLAIN[:4], -1, *PLAIN[5:]]),  # no such model
         msgpack.packb([*PLAIN[:4], 10**6, *PLAIN[5:]]),
-        msgpack.packb([*PLAIN[:6], "soon", PLAIN[7]]),
+        msgpack.packb([*PLAIN[:6], "soon", *PLAIN[7:]]),
+        msgpack.packb(PLAIN[:8]),  # no trace context: a message of the code before it
+        msgpack.packb([*PLAIN[:8], None]),
+        msgpack.packb([*PLAIN[:8], TRACE + "x" * 200]),  # over the bound
+        msgpack.packb([*PLAIN[:8], TRACE.replace("req-42", "req\r\nX-Evil: 1")]),  # control characters
+        msgpack.packb([*PLAIN[:8], TRACE.replace("req-42", "r\u00e9q")]),  # not ASCII
+        msgpack.packb([*PLAIN[:8], "00-" + "0" * 32 + "-b7ad6b7169203331-01 req"]),  # the invalid trace id
+        msgpack.packb([*PLAIN[:8], "not a traceparent"]),
         b"",
     ],
 )

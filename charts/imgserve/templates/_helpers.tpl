@@ -151,6 +151,30 @@ file. */}}
 {{- include "imgserve.envList" $env }}
 {{- end }}
 
+{{/* OpenTelemetry's own variables from `tracing` (nothing while its endpoint is empty: tracing off). */}}
+{{- define "imgserve.tracingEnv" -}}
+{{- with .Values.tracing }}
+{{- if .endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ .endpoint | quote }}
+- name: OTEL_EXPORTER_OTLP_PROTOCOL
+  value: {{ .protocol | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ .sampler | quote }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ .ratio | toString | quote }}
+- name: OTEL_SERVICE_NAME
+  value: {{ .serviceName | default (include "imgserve.fullname" $) | quote }}
+- name: OTEL_K8S_POD_NAME
+  valueFrom:
+    fieldRef:
+      fieldPath: metadata.name
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: "k8s.namespace.name={{ $.Release.Namespace }},k8s.pod.name=$(OTEL_K8S_POD_NAME)"
+{{- end }}
+{{- end }}
+{{- end }}
+
 {{/* The server container's resources, with the GPU limit from `gpu`. */}}
 {{- define "imgserve.resources" -}}
 {{- $resources := deepCopy .Values.resources }}

@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from imgserve.config import ServerSettings
 from imgserve.errors import ApiError
+from imgserve.frontend import tracing
 from imgserve.frontend.telemetry import INFER_ROUTES, route, v2_model_name
 from imgserve.handoff.model_state import LOADING, READY
 from imgserve.handoff.state import SharedState
@@ -109,14 +110,15 @@ class AdmissionMiddleware:
         state = scope.setdefault("state", {})
         model = self.admission.model_of(scope["path"])
         try:
-            deadline = self._deadline(scope, state.get("first_byte", time.monotonic()))
-            self._check_declared_size(scope)
-            refusal = self.admission.refusal(model)
-            if refusal is not None:
-                raise refusal
-            body = await self._receive_body(receive, deadline, self.admission.label(model))
-            if body is None:  # the client left, or the connection layer cut a too-slow upload
-                raise state.get("refusal") or ApiError(499, "client_disconnected", "the client left mid-upload")
+            with tracing.step("admission"):
+                deadline = self._deadline(scope, state.get("first_byte", time.monotonic()))
+                self._check_declared_size(scope)
+                refusal = self.admission.refusal(model)
+                if refusal is not None:
+                    raise refusal
+                body = await self._receive_body(receive, deadline, self.admission.label(model))
+                if body is None:  # the client left, or the connection layer cut a too-slow upload
+                    raise state.get("refusal") or ApiError(499, "client_disconnected", "the client left mid-upload")
         except ApiError as error:
             return await error.response(scope["path"])(scope, receive, send)
         state["deadline"] = deadline

@@ -19,7 +19,7 @@ from starlette.routing import Route
 from imgserve import heap
 from imgserve.config import Access, RequestLimits, ServerSettings
 from imgserve.errors import install_handlers
-from imgserve.frontend import docs_page, openapi, telemetry
+from imgserve.frontend import docs_page, openapi, telemetry, tracing
 from imgserve.frontend.admission import Admission, AdmissionMiddleware
 from imgserve.frontend.auth import ApiKeyMiddleware, Keys
 from imgserve.frontend.inference import Inference
@@ -95,10 +95,12 @@ class FrontEnd:
             routes.extend(docs_page.routes(described))
 
     def _add_middlewares(self, admission: Admission) -> None:
-        """Outermost first: count every answer, check keys, then admit inference requests."""
+        """Outermost first: the request's id and trace, count every answer, check keys, then admit inference
+        requests."""
         self.app.add_middleware(AdmissionMiddleware, admission=admission, settings=self.settings)
         self.app.add_middleware(ApiKeyMiddleware, access=self.settings.part(Access), keys=self.keys)
         self.app.add_middleware(telemetry.MetricsMiddleware, model_of=self._model_label)
+        self.app.add_middleware(tracing.RequestMiddleware, model_of=self._model_label)
 
     def _model_label(self, path: str) -> str:
         """The model label of a request's path: the model whose route it is, or ""."""
@@ -110,8 +112,10 @@ class FrontEnd:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: Any) -> AsyncIterator[None]:
-        """One front end's start: its dispatcher (requests and answers on its event loop), its decoding threads on a
-        few heap arenas; the first one also serves gRPC (--grpc-port) on its event loop, until it stops."""
+        """One front end's start: its access log and tracing, its dispatcher (requests and answers on its event loop),
+        its decoding threads on a few heap arenas; the first one also serves gRPC (--grpc-port) on its event loop,
+        until it stops."""
+        tracing.start(self.settings.access_log)
         heap.few_arenas()
         self.state.serve_as(self.index)
         self.inference.dispatcher.start(self.index, self.requests, self.answers.receiver(self.index))

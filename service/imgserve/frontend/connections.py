@@ -7,7 +7,8 @@ a lingering close (our side shut, the client's late bytes read and dropped for a
 reads its answer instead of a reset. An answer sent before the body is in always carries `Connection: close`. An
 inference request (/predict, v2 HTTP infer, a plain LitAPI's path) that the pod cannot take (queue full, draining) is
 answered 503 here, before any ASGI work, and its body is skipped, keeping the connection for the client's retry (on /v2
-routes in the protocol's envelope). A client that comes back on the same connection sooner than the Retry-After it was
+routes in the protocol's envelope); that answer still echoes the request's id, and with tracing on it is a trace of one
+span (frontend/tracing.py). A client that comes back on the same connection sooner than the Retry-After it was
 given gets its next 503 only once that time is up, plus a random part of up to as much again, and each time it comes
 back that early again it waits twice as long (up to 4x Retry-After): a retry storm of clients that resend at once costs
 the pod one answer per client per few Retry-Afters, not as many as the clients can send (and the clients' own CPU, where
@@ -35,7 +36,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from imgserve import metrics
 from imgserve.config import ServerSettings
 from imgserve.errors import ApiError
-from imgserve.frontend import telemetry
+from imgserve.frontend import telemetry, tracing
 from imgserve.frontend.admission import SHED_MESSAGES, Admission
 from imgserve.pins import Pinned
 
@@ -293,17 +294,20 @@ class GuardedHttpToolsProtocol(HttpToolsProtocol):
         reason = self.admission.shed_reason(model)
         if reason is None:
             return False
-        key = (route, self.admission.label(model))
-        if key not in self.shed_counts:
-            self.shed_counts[key] = metrics.REQUESTS.labels(route, "503", key[1])
-        self.shed_counts[key].inc()
+        counted = (route, self.admission.label(model))
+        if counted not in self.shed_counts:
+            self.shed_counts[counted] = metrics.REQUESTS.labels(route, "503", counted[1])
+        self.shed_counts[counted].inc()
         self._shed = True
         # Skip the body and keep the connection, unless the body is unbounded or will never come (Expect: 100).
-        if not self.expect_100_continue and self._declared_length() <= self.settings.max_body_bytes:
-            envelope = "+v2" if route == telemetry.V2_INFER else ""
-            self._shed_keeping_connection(self.refusals[f"{reason}+keep-alive{envelope}"][1])
+        keep = not self.expect_100_continue and self._declared_length() <= self.settings.max_body_bytes
+        key = reason + ("+keep-alive" if keep else "") + ("+v2" if route == telemetry.V2_INFER else "")
+        answer = tracing.shed(self.headers, path, reason, self.refusals[key][1], self.scope.get("client"))
+        if keep:
+            self._shed_keeping_connection(answer)
         else:
-            self._refuse(reason)
+            self._socket.write(answer)
+            self.close_connection(linger=True)
         return True
 
     def _shed_keeping_connection(self, answer: bytes) -> None:

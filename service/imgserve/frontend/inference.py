@@ -6,7 +6,7 @@ no room); each is decoded by the API's `decode_request` into its own slot and go
 own; each answer is encoded by `encode_response`. Small items are decoded and encoded on the event loop, larger
 ones on the front end's codec threads. The call is answered once every item has its answer; an item that fails
 fails the whole call, and what it cost stops there: nothing of a call reaches a worker unless all its items
-decoded.
+decoded. With tracing on, the call is an `infer` span, and each item's steps are spans under it (frontend/tracing.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import anyio
 
 from imgserve import metrics
 from imgserve.errors import ApiError, fault, from_exception
+from imgserve.frontend import tracing
 from imgserve.frontend.admission import Admission
 from imgserve.handoff.dispatch import Dispatcher, Slot
 from imgserve.served import ServedModel
@@ -73,28 +74,41 @@ class Inference:
         if not calls:
             raise ApiError(400, "no_images", "the request carries no item")
         model = steps.model
-        self.admission.admit(len(calls), model.index)  # or 503: draining, or a full queue; 404 not loaded
-        try:
-            async with contextlib.AsyncExitStack() as stack:
-                slot = self.dispatcher.slot
-                slots = [await stack.enter_async_context(slot(model.index, model.name)) for _ in calls]
-                inline = [steps.size(call) <= INLINE_CODEC_BYTES for call in calls]
-                # Large items decode on the codec threads; every decode ends before a slot is let go.
-                items = await _all(
-                    self._call(small, self._decode_into, steps, call, slot)
-                    for small, call, slot in zip(inline, calls, slots, strict=True)
-                )
-                answers = await _all(slot.submit(item, deadline) for slot, item in zip(slots, items, strict=True))
-                return [
-                    await self._call(small, self._encode, steps, call, slot, answer)
-                    for small, call, slot, answer in zip(inline, calls, slots, answers, strict=True)
-                ]
-        finally:
-            self.admission.release(len(calls), model.index)
+        with tracing.step("infer"):
+            self.admission.admit(len(calls), model.index)  # or 503: draining, or a full queue; 404 not loaded
+            try:
+                return await self._run(calls, deadline, steps)
+            finally:
+                self.admission.release(len(calls), model.index)
 
-    async def _call(self, inline: bool, function: Callable[..., T], *args: Any) -> T:
-        """`function(*args)` on the event loop when `inline`, else on a codec thread."""
-        return function(*args) if inline else await self.codec.run(function, *args)
+    async def _run(self, calls: Sequence[Call], deadline: float, steps: Steps[Call]) -> list[Any]:
+        async with contextlib.AsyncExitStack() as stack:
+            model = steps.model
+            slots = [await stack.enter_async_context(self.dispatcher.slot(model.index, model.name)) for _ in calls]
+            inline = [steps.size(call) <= INLINE_CODEC_BYTES for call in calls]
+            # Large items decode on the codec threads; every decode ends before a slot is let go.
+            items = await _all(
+                self._call(index, steps.names[0], small, self._decode_into, steps, call, slot)
+                for index, (small, call, slot) in enumerate(zip(inline, calls, slots, strict=True))
+            )
+            pairs = enumerate(zip(slots, items, strict=True))
+            answers = await _all(self._handed_off(index, slot, item, deadline) for index, (slot, item) in pairs)
+            return [
+                await self._call(index, steps.names[1], small, self._encode, steps, call, slot, answer)
+                for index, (small, call, slot, answer) in enumerate(zip(inline, calls, slots, answers, strict=True))
+            ]
+
+    async def _call(self, index: int, name: str, inline: bool, function: Callable[..., T], *args: Any) -> T:
+        """Item `index`'s step `name`: `function(*args)` on the event loop when `inline`, else on a codec thread."""
+        with tracing.step(name, item=index):
+            return function(*args) if inline else await self.codec.run(function, *args)
+
+    @staticmethod
+    async def _handed_off(index: int, slot: Slot, item: Any, deadline: float) -> Any:
+        """Item `index` queued for the workers, and its answer; with tracing on, the worker's spans hang under this
+        step's."""
+        with tracing.step("hand-off", item=index) as span:
+            return await slot.submit(item, deadline, tracing.to_worker(span))
 
     @staticmethod
     def _decode_into(steps: Steps[Call], call: Call, slot: Slot) -> Any:

@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from imgserve.api import encoder, hook_signature
 from imgserve.errors import ApiError
+from imgserve.frontend import tracing
 from imgserve.frontend.inference import Inference, Steps
 from imgserve.frontend.reading import call_size, read_request
 from imgserve.litapi import LitServeAPI
@@ -54,7 +55,8 @@ class LitServeRoute:
     async def answer(self, call: Request) -> Any:
         """The worker's answer for one call: what `encode_response` returned (FastAPI serializes it), or a Response."""
         try:
-            read = await read_request(call, self.max_image_pixels)
+            with tracing.step("read"):
+                read = await read_request(call, self.max_image_pixels)
             (answer,) = await self.inference.run([read], call.scope["state"]["deadline"], self.steps)
         except ApiError as error:
             headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None

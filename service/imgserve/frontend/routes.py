@@ -13,6 +13,7 @@ from starlette.responses import JSONResponse, Response
 from imgserve.api import Request as ApiRequest
 from imgserve.api import encoder
 from imgserve.errors import ApiError
+from imgserve.frontend import tracing
 from imgserve.frontend.inference import Inference, Steps
 from imgserve.frontend.reading import call_size, read_request
 from imgserve.frontend.responding import http_response
@@ -46,7 +47,8 @@ class Routes:
 
         async def predict(request: Request) -> Response:
             try:
-                call = await read_request(request, self.max_image_pixels)
+                with tracing.step("read"):
+                    call = await read_request(request, self.max_image_pixels)
                 (response,) = await self.inference.run([call], request.scope["state"]["deadline"], steps)
                 return response
             except ApiError as error:

@@ -68,9 +68,10 @@ class Slot:
         message. TypeError for a value that cannot travel."""
         return items.place(item, self._write, inline_bytes=INLINE_BYTES)
 
-    async def submit(self, item: Any, deadline: float) -> Any:
-        """Queue the placed item for a worker and wait for its answer, until the deadline or the worker's death."""
-        return await self.dispatcher.submit(self, item, deadline)
+    async def submit(self, item: Any, deadline: float, trace: str = "") -> Any:
+        """Queue the placed item for a worker and wait for its answer, until the deadline or the worker's death;
+        `trace` travels with it (wire.RequestMessage)."""
+        return await self.dispatcher.submit(self, item, deadline, trace)
 
     def result(self, answer: Any) -> Any:
         """The worker's answer, with what lies in the slot read back."""
@@ -130,9 +131,10 @@ class Dispatcher:
             else:  # a worker has it or may still take it: the slot waits for that answer, or the worker's death
                 slot.pending.given_up = True
 
-    async def submit(self, slot: Slot, item: Any, deadline: float) -> Any:
+    async def submit(self, slot: Slot, item: Any, deadline: float, trace: str = "") -> Any:
         uid, now = f"{self._front_end}.{slot.ticket:x}", time.monotonic()  # unique, and cheaper than a uuid4
-        request = wire.RequestMessage(self._front_end, uid, slot.index, slot.ticket, slot.model, now, deadline, item)
+        fields = (self._front_end, uid, slot.index, slot.ticket, slot.model, now, deadline, item, trace)
+        request = wire.RequestMessage(*fields)
         message = wire.pack_request(request)
         if len(message) > MAX_REQUEST_BYTES:
             raise ApiError(

@@ -20,6 +20,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from imgserve import tracing
 from imgserve.errors import ApiError
 from imgserve.handoff.items import ARRAY_KINDS, BytesInSlot, InSlot
 
@@ -48,7 +49,8 @@ class RequestMessage:
     """One request as it travels to the workers: who queued it (front end and its uid for it), the slot that holds
     its data (index and the ticket of this use of it), its model (the catalog's index), when it was handed to the
     workers (decoded, queued) and by when it must be answered (time.monotonic(), the same clock in every process of
-    the host), and its item (handoff/items.py)."""
+    the host), its item (handoff/items.py), and for a traced request its trace context and request id (tracing.carry;
+    "" when it is not traced)."""
 
     front_end: int
     uid: str
@@ -58,26 +60,29 @@ class RequestMessage:
     queued: float
     deadline: float
     item: Any
+    trace: str = ""
 
 
 def pack_request(message: RequestMessage) -> bytes:
-    """[front end, uid, slot, ticket, model, queued, deadline, item]; TypeError for an item value that cannot travel."""
+    """[front end, uid, slot, ticket, model, queued, deadline, item, trace]; TypeError for an item value that cannot
+    travel."""
     fields = [message.front_end, message.uid, message.slot, message.ticket, message.model]
     fields += [message.queued, message.deadline]
-    return msgpack.packb([*fields, message.item], default=_pack_value)
+    return msgpack.packb([*fields, message.item, message.trace], default=_pack_value)
 
 
 def unpack_request(data: bytes) -> RequestMessage:
     """The request as the front end queued it (lists where it sent tuples), or WireError."""
     message = _unpack(data, ext_hook=_unpack_item_value)
-    if not (isinstance(message, list) and len(message) == 8):
-        raise WireError("a request is an array of 8")
-    front_end, uid, slot, ticket, model, queued, deadline, item = message
+    if not (isinstance(message, list) and len(message) == 9):
+        raise WireError("a request is an array of 9")
+    front_end, uid, slot, ticket, model, queued, deadline, item, trace = message
     _check(_is_int(front_end) and front_end >= 0 and isinstance(uid, str), "request header")
     _check(_is_int(slot) and slot >= 0 and _is_int(ticket) and ticket >= 0, "slot")
     _check(_is_int(model) and 0 <= model < MAX_MODELS, "model")
     _check(_is_time(queued) and _is_time(deadline), "deadline")
-    return RequestMessage(front_end, uid, slot, ticket, model, queued, deadline, item)
+    _check(isinstance(trace, str) and (not trace or _is_carried(trace)), "trace context")
+    return RequestMessage(front_end, uid, slot, ticket, model, queued, deadline, item, trace)
 
 
 def pack_answer(uid: str, output: Any) -> bytes:
@@ -158,6 +163,11 @@ def _dtype(name: Any) -> np.dtype:
         raise WireError("dtype") from None
     _check(dtype.kind in ARRAY_KINDS, "dtype")
     return dtype
+
+
+def _is_carried(value: str) -> bool:
+    """A trace context as tracing.carry writes it, and no longer."""
+    return len(value) <= tracing.MAX_CARRIED and tracing.carried(value) is not None
 
 
 def _is_int(value: Any) -> bool:

@@ -1,6 +1,7 @@
 """The inference workers: spawned processes, each holding the model on its device.
 
 process (the worker's life and loop) -> gather (take a batch off the request socket) -> serving (set up and measure the
-API; deadlines, slots in and out) -> batching (memory-bounded chunks, the model call, out-of-memory splits). May import:
-handoff, models and the shared top-level modules; never the front end, the supervisor or the composition root.
+API; deadlines, slots in and out) -> batching (memory-bounded chunks, the model call, out-of-memory splits) -> tracing
+(a traced batch's spans, once its answers are sent). May import: handoff, models and the shared top-level modules;
+never the front end, the supervisor or the composition root.
 """

@@ -34,6 +34,7 @@ from imgserve.lifetime import die_with_parent
 from imgserve.models.loader import ModelLoadError
 from imgserve.models.shared import SharedWeights
 from imgserve.served import Catalog
+from imgserve.worker import tracing
 from imgserve.worker.gather import Gatherer
 from imgserve.worker.serving import Worker, WorkerPlan
 
@@ -61,6 +62,7 @@ def run(spec: WorkerSpec, index: int, device: str, control: Connection) -> None:
     die_with_parent(spec.parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec.logging.configure_logging()
+    tracing.start()
     worker = Worker(spec.catalog, spec.state, spec.plan, index, device)
     try:
         for model, weights in spec.weights.items():
@@ -93,8 +95,11 @@ def serve(worker: Worker, gatherer: Gatherer, answers: AnswerSockets, control: C
         except Exception:
             log.exception("the worker failed on a batch of %d", len(batch))
             outputs = [ApiError(500, "internal_error", "the inference worker failed on this batch")] * len(batch)
+            worker.ran = None
         for request, output in zip(batch, outputs, strict=True):
             answers.send(request.front_end, request.uid, output)
+        model = worker.catalog[batch[0].model].name
+        tracing.record(batch, outputs, worker.ran, model)  # after the answers: no request waits for its spans
 
 
 class Control:

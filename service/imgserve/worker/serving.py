@@ -38,6 +38,7 @@ from imgserve.models.shared import SharedWeights
 from imgserve.pod import Measured, TorchThreads
 from imgserve.served import Catalog
 from imgserve.worker.batching import UNBOUNDED, BatchRunner
+from imgserve.worker.tracing import Ran
 
 log = logging.getLogger(__name__)
 INLINE_BYTES = 64 * 1024  # outputs up to this size (class scores) travel in the answer message, larger in the slot
@@ -61,6 +62,7 @@ class Worker:
         self.runners: dict[int, BatchRunner] = {}  # the models set up here, by index
         self.slots = SlotFiles(plan.slot_directory)
         self.batches = threading.Lock()  # one batch at a time: a model's measurement holds the others back
+        self.ran: Ran | None = None  # what the last batch's answer noted, for its spans (worker/tracing.py)
         torch.set_num_threads(plan.torch_threads.alone)  # pod.py decided the counts
         self.heap = heap.BatchHeap(release=self._release_apis)
 
@@ -125,7 +127,7 @@ class Worker:
     def answer(self, requests: list[RequestMessage]) -> list[Any]:
         """One answer per request message (all of one model): what is past its deadline is never computed (504); the
         rest are read from their slots, run, and answered with their outputs (or each its own error)."""
-        now, model = time.monotonic(), requests[0].model
+        self.ran, now, model = None, time.monotonic(), requests[0].model
         runner, name = self.runners.get(model), self.catalog[model].name
         if runner is None:  # unloaded since it was admitted
             error = ApiError(503, "model_unavailable", f"model {name!r} is not loaded", 1)
@@ -137,8 +139,11 @@ class Worker:
             metrics.QUEUE_WAIT.labels(name).observe(now - requests[i].queued)
             values[i], answers[i] = _guarded(self._read, requests[i], where="reading the request")
         ready = [i for i in live if answers[i] is None]
+        self.ran = Ran(now, ready, now, now)
         if ready:
+            started = time.monotonic()
             outputs = self._run(runner, model, [values[i] for i in ready])
+            self.ran = Ran(now, ready, started, time.monotonic())
             for i, output in zip(ready, outputs, strict=True):
                 placed = output if isinstance(output, ApiError) else self._placed(requests[i], output, values[i])
                 answers[i] = placed
@@ -151,12 +156,12 @@ class Worker:
         metrics.BATCH_SIZE.labels(name).observe(len(values))
         metrics.INFLIGHT.labels(name).set(len(values))
         self._set_threads(len(values))
-        started = time.perf_counter()
+        started = time.monotonic()
         try:
             with self.batches:
                 outputs = runner(values)
         finally:
-            metrics.INFERENCE_DURATION.labels(name).observe(time.perf_counter() - started)
+            metrics.INFERENCE_DURATION.labels(name).observe(time.monotonic() - started)
             metrics.INFLIGHT.labels(name).set(0)
         self.heap.after_batch(runner.last_need_bytes)
         return outputs

@@ -8,7 +8,9 @@ The wire format is Triton's generated stubs (tritonclient.grpc: service_pb2, mod
 from `raw_input_contents` or the typed `contents`; outputs are always written to `raw_output_contents`, the only
 place tritonclient.grpc reads them. Errors are gRPC status codes with the message; a 503 carries `retry-after`
 in the trailing metadata. ModelStreamInfer answers each request of a stream on it (grpc_stream.py). What a call
-must pass before its handler, and the channel's limits, are in grpc_gate.py.
+must pass before its handler, and the channel's limits, are in grpc_gate.py. A request's id is its own `id`, else the
+call's `x-request-id` metadata, else a new one (frontend/tracing.py); ModelInfer echoes it in its trailing metadata
+as `x-request-id`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from tritonclient.grpc import model_config_pb2, service_pb2, service_pb2_grpc
 from imgserve import metrics
 from imgserve.config import ServerSettings
 from imgserve.errors import ApiError
-from imgserve.frontend import telemetry
+from imgserve.frontend import telemetry, tracing
 from imgserve.frontend.auth import Keys
 from imgserve.frontend.v2 import grpc_stream, tensors
 from imgserve.frontend.v2.grpc_gate import Gate, options
@@ -62,6 +64,7 @@ CONTENTS = {  # the typed field of InferTensorContents that carries each datatyp
     "FP64": "fp64_contents",
 }
 GRACE_S = 5.0  # how long in-flight calls get when the front end stops
+CODES = {status: code.value[0] for status, code in STATUS.items()}  # the numbers a span's rpc.grpc.status_code takes
 
 Handler = Callable[[Any, Any, grpc.aio.ServicerContext], Awaitable[Any]]
 
@@ -82,7 +85,8 @@ def _rpc(label: str) -> Callable[[Handler], Handler]:
             except ApiError as error:
                 status = error.status
                 if error.retry_after is not None:
-                    context.set_trailing_metadata((("retry-after", str(error.retry_after)),))
+                    echoed = tuple(context.trailing_metadata() or ())
+                    context.set_trailing_metadata((*echoed, ("retry-after", str(error.retry_after))))
                 await context.abort(STATUS.get(error.status, grpc.StatusCode.INTERNAL), error.message)
             except Exception:
                 status = 500
@@ -164,22 +168,30 @@ class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
 
     @_rpc(telemetry.GRPC_INFER)
     async def ModelInfer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self.infer(request, context)  # its API key was checked by Gate, before the message was read
+        request_id = tracing.grpc_request_id(request.id, context.invocation_metadata())
+        context.set_trailing_metadata((("x-request-id", request_id),))
+        return await self.infer(request, context, request_id)  # its API key was checked by Gate, before it was read
 
     async def ModelStreamInfer(self, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
         window = max(1, self.models.max_images())
         await grpc_stream.Stream(self.infer, context, window, self.models.label).serve(requests)
 
-    async def infer(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def infer(self, request: Any, context: grpc.aio.ServicerContext, request_id: str | None = None) -> Any:
         """One ModelInferRequest answered (ModelInfer's, or one of a stream's): its deadline is the call's, else
-        request_timeout_s, counted from now and capped at max_request_timeout_s."""
+        request_timeout_s, counted from now and capped at max_request_timeout_s. With tracing on, it is a server
+        span under the call's trace context."""
         started = time.monotonic()
-        model = self.models.find(request.model_name, request.model_version)
-        remaining = context.time_remaining()
-        timeout = self.settings.request_timeout_s if remaining is None else remaining
-        deadline = started + min(timeout, self.settings.max_request_timeout_s)
-        outputs = await model.infer(_request(request), deadline, started)
-        return _response(model.name, request.id, [tensor for _, tensor in outputs])
+        metadata = context.invocation_metadata()
+        request_id = request_id or tracing.grpc_request_id(request.id, metadata)
+        with tracing.grpc_request(request_id, metadata, self.models.label(request.model_name), CODES):
+            model = self.models.find(request.model_name, request.model_version)
+            remaining = context.time_remaining()
+            timeout = self.settings.request_timeout_s if remaining is None else remaining
+            deadline = started + min(timeout, self.settings.max_request_timeout_s)
+            with tracing.step("read"):
+                call = _request(request)
+            outputs = await model.infer(call, deadline, started)
+            return _response(model.name, request.id, [tensor for _, tensor in outputs])
 
 
 def _parameter(value: Any) -> Any:

@@ -21,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from imgserve.errors import ApiError
+from imgserve.frontend import tracing
 from imgserve.frontend.inference import INLINE_CODEC_BYTES
 from imgserve.frontend.v2 import tensors
 from imgserve.frontend.v2.model import VERSION, V2Model, V2Models
@@ -109,7 +110,8 @@ class V2Routes:
     async def infer(self, request: Request) -> Response:
         try:
             model = self.models.find(request.path_params["model"], request.path_params.get("version"))
-            parsed = await self._parsed(request, model)
+            with tracing.step("read"):
+                parsed = await self._parsed(request, model)
             state = request.scope["state"]
             outputs = await model.infer(parsed, state["deadline"], state.get("first_byte", time.monotonic()))
             if sum(tensors.nbytes(tensor) for _, tensor in outputs) <= INLINE_CODEC_BYTES:
