@@ -155,6 +155,8 @@ def test_a_stale_ticket_in_a_reused_slot_is_not_taken_for_the_new_request() -> N
 class FailsOnTwoAndThree:
     """A worker whose batch fails outside the API's hooks when it holds request 2 or 3."""
 
+    ran = None  # what its last batch noted for its spans: nothing
+
     def batch_size(self, model: int) -> int:
         return 2
 

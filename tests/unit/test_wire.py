@@ -31,7 +31,7 @@ OUTPUTS = [
 
 def test_requests_and_answers_round_trip() -> None:
     assert wire.unpack_request(wire.pack_request(REQUEST)) == REQUEST
-    untraced = wire.RequestMessage(1, "3f2a-uid", 3, 17, 11.0, 42.0, ITEM)
+    untraced = wire.RequestMessage(1, "3f2a-uid", 3, 17, 2, 11.0, 42.0, ITEM)
     assert wire.unpack_request(wire.pack_request(untraced)).trace == ""
     for output in OUTPUTS:
         uid, got = wire.unpack_answer(wire.pack_answer("3f2a-uid", output))

@@ -98,8 +98,7 @@ def serve(worker: Worker, gatherer: Gatherer, answers: AnswerSockets, control: C
             worker.ran = None
         for request, output in zip(batch, outputs, strict=True):
             answers.send(request.front_end, request.uid, output)
-        model = worker.catalog[batch[0].model].name
-        tracing.record(batch, outputs, worker.ran, model)  # after the answers: no request waits for its spans
+        tracing.record(batch, outputs, worker.ran)  # after the answers: no request waits for its spans
 
 
 class Control:

@@ -139,11 +139,11 @@ class Worker:
             metrics.QUEUE_WAIT.labels(name).observe(now - requests[i].queued)
             values[i], answers[i] = _guarded(self._read, requests[i], where="reading the request")
         ready = [i for i in live if answers[i] is None]
-        self.ran = Ran(now, ready, now, now)
+        self.ran = Ran(name, now, ready, now, now)
         if ready:
             started = time.monotonic()
             outputs = self._run(runner, model, [values[i] for i in ready])
-            self.ran = Ran(now, ready, started, time.monotonic())
+            self.ran = Ran(name, now, ready, started, time.monotonic())
             for i, output in zip(ready, outputs, strict=True):
                 placed = output if isinstance(output, ApiError) else self._placed(requests[i], output, values[i])
                 answers[i] = placed

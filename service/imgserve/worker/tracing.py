@@ -30,9 +30,10 @@ TRACER: Any = None  # this worker's tracer when tracing is on (start)
 
 @dataclass(frozen=True)
 class Ran:
-    """What a batch's answer noted (time.monotonic()): when it started, which of its requests ran the model (in
-    their order in the model's batch), and when the model started and ended."""
+    """What a batch's answer noted (time.monotonic()): its model's name, when it started, which of its requests ran
+    the model (in their order in the model's batch), and when the model started and ended."""
 
+    model: str
     started: float
     ready: list[int]
     predict_started: float
@@ -46,8 +47,8 @@ def start() -> None:
         TRACER = tracing.provider("worker").get_tracer("imgserve")
 
 
-def record(requests: Sequence[RequestMessage], outputs: Sequence[Any], ran: Ran | None, model: str) -> None:
-    """The spans of one answered batch of `model` (`ran` None: the worker failed on it outside the API's hooks)."""
+def record(requests: Sequence[RequestMessage], outputs: Sequence[Any], ran: Ran | None) -> None:
+    """The spans of one answered batch (`ran` None: the worker failed on it outside the API's hooks)."""
     if TRACER is None:
         return
     traced = [(i, found) for i, request in enumerate(requests) if request.trace and (found := _parent(request))]
@@ -56,9 +57,10 @@ def record(requests: Sequence[RequestMessage], outputs: Sequence[Any], ran: Ran 
     clock = time.time_ns() - time.monotonic_ns()  # monotonic seconds -> epoch nanoseconds
     ended = time.monotonic()
     ready = {index: position for position, index in enumerate(ran.ready)} if ran else {}
-    batch = _batch(traced, ready, outputs, ran, clock, ended, model) if ran and ran.ready else None
+    batch = _batch(traced, ready, outputs, ran, clock, ended) if ran and ran.ready else None
+    model = {tracing.MODEL: ran.model} if ran else {}
     for i, (context, request_id) in traced:
-        attributes: dict[str, Any] = {tracing.REQUEST_ID: request_id, tracing.MODEL: model}
+        attributes: dict[str, Any] = {tracing.REQUEST_ID: request_id, **model}
         if i in ready:
             attributes |= {tracing.BATCH_SIZE: len(ready), tracing.BATCH_INDEX: ready[i]}
         links = [_link(batch.get_span_context(), {})] if batch is not None else []
@@ -77,7 +79,6 @@ def _batch(
     ran: Ran,
     clock: int,
     ended: float,
-    model: str,
 ) -> Any:
     """The batch's span and its `predict` span, in the trace of its first traced request (ended; returned for the
     queue spans to link to)."""
@@ -86,7 +87,7 @@ def _batch(
         for i, (context, request_id) in traced
     ]
     first_context, first_id = traced[0][1]
-    attributes = {tracing.MODEL: model, tracing.BATCH_SIZE: len(ready), tracing.REQUEST_ID: first_id}
+    attributes = {tracing.MODEL: ran.model, tracing.BATCH_SIZE: len(ready), tracing.REQUEST_ID: first_id}
     batch = TRACER.start_span(
         "batch", _context(first_context), attributes=attributes, links=links, start_time=_ns(ran.started, clock)
     )
