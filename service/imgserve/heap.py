@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
-import ctypes.util
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -29,9 +29,12 @@ FLOOR_BYTES = 256 << 20  # and never trims for less
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
+    """The C library the process already runs on, found in its own symbols: no search (ctypes.util.find_library
+    runs `ldconfig -p`, a child process, at each call)."""
     with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)
         if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim"):
             return libc
     return None

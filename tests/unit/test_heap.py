@@ -65,3 +65,27 @@ def test_a_busy_worker_keeps_a_big_batch_while_it_is_recent_and_gives_it_back_af
 def test_control_without_the_bound_the_big_batch_is_held_for_good() -> None:
     rows = run("hold")["rows"]
     assert rows[-1]["held_mib"] >= 350, rows
+
+
+CHILDREN = textwrap.dedent(
+    """
+    import json, subprocess
+    started = []
+    popen = subprocess.Popen.__init__
+    subprocess.Popen.__init__ = lambda self, args, *rest, **kw: started.append(args) or popen(self, args, *rest, **kw)
+    from imgserve import heap
+
+    took = [heap.hold_freed_memory(), heap.few_arenas()]
+    heap.BatchHeap(release=lambda: None).give_back()
+    print(json.dumps({"took": took, "started": started}))
+    """
+)
+
+
+def test_the_heap_settings_start_no_process() -> None:
+    """A worker trims its heap each time it idles: finding the C library must not start a child process each time
+    (ctypes.util.find_library runs ldconfig), a process of the server's that comes and goes."""
+    result = subprocess.run([sys.executable, "-c", CHILDREN], capture_output=True, text=True, timeout=60, check=True)
+    report = json.loads(result.stdout)
+    assert report["took"] == [True, True], "glibc's settings were not taken"
+    assert report["started"] == []
