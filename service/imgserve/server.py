@@ -55,7 +55,7 @@ from imgserve.worker.serving import WorkerPlan
 
 log = logging.getLogger(__name__)
 BACKLOG = 2048  # connections the kernel queues for the front ends to accept (uvicorn's default)
-WORKER_OVERHEAD_GUESS = {"cpu": 256 << 20, "cuda": 512 << 20}  # until the workers say (a CUDA context on a GPU)
+WORKER_OVERHEAD_ALLOWED = {"cpu": 256 << 20, "cuda": 512 << 20}  # a CUDA context; on a CPU, until measured
 
 
 def serve(settings: Settings, directory: ServerDirectory, apis: Sequence[ls.LitAPI] = ()) -> int:
@@ -276,7 +276,7 @@ def build(settings: Settings, directory: ServerDirectory, chosen: list[Chosen]) 
         free,
         settings.gpu_memory_fraction,
         plan.workers_per_device,
-        WORKER_OVERHEAD_GUESS[device_type],
+        WORKER_OVERHEAD_ALLOWED[device_type],
         plan.reserved_slot_bytes,
     )
 

@@ -113,7 +113,7 @@ class SharedState:
         self._alive[worker] = 1
 
     def report_overhead(self, worker: int, nbytes: int) -> None:
-        """Worker `worker`'s own memory before any model: the interpreter, its libraries, a GPU's CUDA context."""
+        """Worker `worker`'s own memory before any model, measured on a CPU: the interpreter and its libraries."""
         self._overhead[worker] = nbytes
 
     def worker_overhead(self) -> int:

@@ -138,7 +138,7 @@ class ModelControl:
     def _fit(self, loaded: list[int]) -> None:
         """Give each of the `loaded` models its batch limits on the device (MemoryRefusal when they do not fit)."""
         models, memory = self.state.models, self.memory
-        overhead = max(memory.overhead_bytes, self.state.worker_overhead())
+        overhead = self.state.worker_overhead() or memory.overhead_bytes  # measured on a CPU, else allowed
         needs = [
             ModelNeed(
                 self.catalog[model].name,

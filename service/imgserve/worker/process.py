@@ -63,6 +63,8 @@ def run(spec: WorkerSpec, index: int, device: str, control: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec.logging.configure_logging()
     tracing.start()
+    if device == "cpu":  # its own memory before any model: what each worker costs beside the models (RAM)
+        spec.state.report_overhead(index, heap.anonymous_bytes())
     worker = Worker(spec.catalog, spec.state, spec.plan, index, device)
     try:
         for model, weights in spec.weights.items():
