@@ -1,16 +1,20 @@
 """imgserve against imgserve: the same cells served in turns by different source trees or settings, in one run.
 
-`python -m loadtests.sidebyside [--before DIR] [--tracing] [--rounds 3] [--seconds 10] --out FILE.md`
+`python -m loadtests.sidebyside [--before DIR] [--tracing] [--storm] [--rounds 3] [--seconds 10] --out FILE.md`
 
 What a change did to speed is read side by side, never against a figure measured earlier on a machine whose speed
 drifts: each round starts a fresh server of every contender in turn (in reverse order every other round, so none
 always runs first) and runs every cell on it.
 - With `--before DIR` (a checkout of the code before a change, e.g. `git worktree add /tmp/before <commit>`), the
-  built-in denoiser of that tree against this one's: one user (c=1) and 64 users on the benchmark's images.
+  built-in denoiser of that tree against this one's: one user (c=1) and 64 users on the benchmark's images; and the
+  near-free model file of that tree against this one's.
 - With `--tracing`, also this tree's denoiser with OpenTelemetry tracing on, 10% of the requests sampled
   (parentbased_traceidratio 0.1), its spans exported over OTLP/HTTP to a sink in this process
   (loadtests/lib/otlp_sink.py), at 64 users.
-Each cell's first contender is the reference the others are divided by (the code before, when given).
+- With `--storm`, also a retry storm on each denoiser: 640 users (10x the 64) resending at once on 503; its
+  goodput (answers/s) is divided by the same server's 64-user answers/s.
+Each cell's first contender is the reference the others are divided by (the code before, when given). Every server's
+summed PSS is read once it is ready and has idled (IDLE_S), before any load: the idle server's memory.
 - Always, in this tree: a near-free model (x.clamp(0, 1)) served as a model file by the built-in API, against the
   same work written as a user's own ImageAPI (loadtests/lib/toy_apis.py), 128x128 JPEGs at 64 users; and the CPU
   each process of the server used per answer, which shows where decoding ran.
@@ -24,6 +28,7 @@ import shlex
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +42,8 @@ from loadtests.lib.servers import SOURCE, CpuWindow, running_server
 from loadtests.overhead import write_clamp_model
 
 REPO = SOURCE.parent
+IDLE_S = 2.0  # a fresh server idles this long before its idle PSS is read
+STORM_USERS = 640
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,7 @@ class Cell:
     images: tuple[SampleImage, ...]
     users: int
     contenders: tuple[str, ...]
+    retry_at_once: bool = False  # a retry storm: a refused user resends at once
 
 
 @dataclass
@@ -67,6 +75,7 @@ class Results:
     p50: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     p99: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     cpu_ms: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    idle_pss: dict[str, list[int]] = field(default_factory=dict)  # per contender, bytes
 
     def add(self, key: tuple[str, str], rps: float, p50: float, p99: float, cpu_ms: float) -> None:
         for table, value in ((self.rps, rps), (self.p50, p50), (self.p99, p99), (self.cpu_ms, cpu_ms)):
@@ -83,6 +92,7 @@ def contenders(before: Path | None, work: Path, traces_to: str | None = None) ->
     ]
     if before is not None:
         found.append(Contender("denoiser before", before / "service", {}))
+        found.append(Contender(NEAR_FREE_BEFORE, before / "service", {"model": clamp}))
     if traces_to is not None:
         sampled = {"OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.1"}
         found.append(Contender(TRACED, SOURCE, {}, {"OTEL_EXPORTER_OTLP_ENDPOINT": traces_to, **sampled}))
@@ -90,16 +100,23 @@ def contenders(before: Path | None, work: Path, traces_to: str | None = None) ->
 
 
 TRACED = "denoiser traced 10%"
+NEAR_FREE_BEFORE = "near-free model file before"
+C64, STORM = "denoiser, bench images, c=64", f"denoiser, retry storm, c={STORM_USERS} resending at once"
 
 
-def cells(before: Path | None, traced: bool = False) -> list[Cell]:
+def cells(before: Path | None, traced: bool = False, storm: bool = False) -> list[Cell]:
     denoisers = ("denoiser before", "denoiser") if before is not None else ("denoiser",)
-    near_free = ("near-free model file", "near-free ImageAPI")
-    return [
+    near_free: tuple[str, ...] = ("near-free model file", "near-free ImageAPI")
+    if before is not None:
+        near_free = (NEAR_FREE_BEFORE, *near_free)
+    found = [
         Cell("denoiser, bench images, c=1", sample_images(), 1, denoisers),
-        Cell("denoiser, bench images, c=64", sample_images(), 64, (*denoisers, *([TRACED] if traced else []))),
+        Cell(C64, sample_images(), 64, (*denoisers, *([TRACED] if traced else []))),
         Cell("near-free, 128x128, c=64", square_jpegs(128), 64, near_free),
     ]
+    if storm:
+        found.append(Cell(STORM, sample_images(), STORM_USERS, denoisers, retry_at_once=True))
+    return found
 
 
 def turns(servers: list[Contender], index: int) -> list[Contender]:
@@ -114,12 +131,15 @@ def run_round(contender: Contender, plan: list[Cell], seconds: float, work: Path
     env["PYTHONPATH"] = str(REPO)  # loadtests.lib.toy_apis for the user API
     log = work / f"{contender.name.replace(' ', '-')}-{port}.log"
     with running_server(serve_command(port), port, log, "/health/ready", env, source=contender.source) as server:
+        time.sleep(IDLE_S)
+        results.idle_pss.setdefault(contender.name, []).append(server.tree_pss())
         for cell in plan:
             if contender.name not in cell.contenders:
                 continue
             warmup = 2.0
             with CpuWindow(server, warmup, seconds) as window:
-                result = run_closed_loop(f"{server.url}/predict", cell.users, seconds, warmup, images=cell.images)
+                url, storm = f"{server.url}/predict", cell.retry_at_once
+                result = run_closed_loop(url, cell.users, seconds, warmup, images=cell.images, retry_at_once=storm)
             if result.failed:
                 raise RuntimeError(f"{contender.name}, {cell.name}: {result.errors()}")
             cpu_ms = 1000 * window.server_cores * seconds / max(len(result.answered), 1)
@@ -144,6 +164,16 @@ def report(results: Results, plan: list[Cell]) -> str:
         for name in cell.contenders[1:]:
             ratio = statistics.median(results.rps[(cell.name, name)]) / first
             lines.append(f"| | {name} / {cell.contenders[0]} | | {ratio:.3f}x | | | |")
+        if cell.name == STORM:
+            for name in cell.contenders:
+                goodput = statistics.median(results.rps[(cell.name, name)]) / statistics.median(
+                    results.rps[(C64, name)]
+                )
+                lines.append(f"| | {name}: storm goodput / its c=64 | | {goodput:.3f}x | | | |")
+    lines += ["", "| contender | idle PSS MiB (each round) | median MiB |", "|---|---|---|"]
+    for name, values in results.idle_pss.items():
+        each = ", ".join(f"{value / 2**20:.0f}" for value in values)
+        lines.append(f"| {name} | {each} | {statistics.median(values) / 2**20:.0f} |")
     return "\n".join(lines)
 
 
@@ -151,11 +181,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", type=Path, help="a checkout of the code before a change (its denoiser cells)")
     parser.add_argument("--tracing", action="store_true", help="also the denoiser traced, 10%% sampled (c=64)")
+    parser.add_argument(
+        "--storm", action="store_true", help=f"also a retry storm on the denoisers ({STORM_USERS} users)"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="fresh servers of every contender, in turns")
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per cell")
     parser.add_argument("--out", type=Path, help="write the report here too")
     args = parser.parse_args(argv)
-    plan = cells(args.before, args.tracing)
+    plan = cells(args.before, args.tracing, args.storm)
     results = Results()
     with tempfile.TemporaryDirectory() as directory, otlp_sink() as (endpoint, received):
         work = Path(directory)
