@@ -165,7 +165,7 @@ class Encoded:
     media_type: str
 
 
-class ImageAPI(ls.LitAPI):
+class ImageAPI(ls.LitAPI):  # type: ignore[misc]  # litserve ships no type information: LitAPI is Any
     """The hooks of one served model, LitServe's names where they mean the same; see the module docstring.
 
     Class attributes a subclass may set: `name` (the model's name in the Open Inference Protocol; default the class

@@ -7,7 +7,7 @@ import os
 import stat
 import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -129,4 +129,5 @@ def main(argv: list[str] | None = None) -> int:
     plan.register(sub)
 
     args = parser.parse_args(argv)
-    return args.func(args)
+    command: Callable[[argparse.Namespace], int] = args.func
+    return command(args)

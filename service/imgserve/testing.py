@@ -43,7 +43,8 @@ def free_port() -> int:
     """A TCP port the OS says is free on loopback."""
     with socket.socket() as sock:
         sock.bind((LOOPBACK, 0))
-        return sock.getsockname()[1]
+        port: int = sock.getsockname()[1]
+        return port
 
 
 def serve_command(port: int, grpc_port: int = 0) -> list[str]:
@@ -66,7 +67,7 @@ class RunningServer:
     """A server process: its URL, process and log file, and what its process tree is and uses."""
 
     url: str
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
     log_path: Path
 
     def log(self) -> str:

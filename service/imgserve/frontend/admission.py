@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -184,7 +184,8 @@ def _too_large(limit: int) -> ApiError:
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
-    for key, value in scope["headers"]:
+    headers: Iterable[tuple[bytes, bytes]] = scope["headers"]
+    for key, value in headers:
         if key == name:
             return value.decode("latin-1")
     return None

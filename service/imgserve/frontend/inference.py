@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 INLINE_CODEC_BYTES = 32 * 1024  # items carrying up to this many bytes are decoded and encoded on the event loop
 T = TypeVar("T")
 Call = TypeVar("Call")  # one item of a call, as the protocol read it
+Answer = TypeVar("Answer")  # one item's answer, as encode gives it
 
 
 class CodecThreads:
@@ -48,7 +49,7 @@ class CodecThreads:
         return await anyio.to_thread.run_sync(function, *args, limiter=self._limiter)
 
 
-class Steps(Generic[Call]):
+class Steps(Generic[Call, Answer]):
     """A protocol's way around the hand-off to one model: `decode` one item into what travels to the worker, `encode`
     its answer, and how many bytes an item carries (what decides where they run)."""
 
@@ -56,7 +57,7 @@ class Steps(Generic[Call]):
         self,
         model: ServedModel,
         decode: Callable[[Call], Any],
-        encode: Callable[[Any, Call], Any],
+        encode: Callable[[Any, Call], Answer],
         size: Callable[[Call], int],
         names: tuple[str, str] = ("decode_request", "encode_response"),
     ) -> None:
@@ -69,7 +70,7 @@ class Inference:
     def __init__(self, dispatcher: Dispatcher, admission: Admission, codec: CodecThreads) -> None:
         self.dispatcher, self.admission, self.codec = dispatcher, admission, codec
 
-    async def run(self, calls: Sequence[Call], deadline: float, steps: Steps[Call]) -> list[Any]:
+    async def run(self, calls: Sequence[Call], deadline: float, steps: Steps[Call, Answer]) -> list[Answer]:
         """Each item's encoded answer, in order; an ApiError for the first failure of any of them."""
         if not calls:
             raise ApiError(400, "no_images", "the request carries no item")
@@ -81,7 +82,7 @@ class Inference:
             finally:
                 self.admission.release(len(calls), model.index)
 
-    async def _run(self, calls: Sequence[Call], deadline: float, steps: Steps[Call]) -> list[Any]:
+    async def _run(self, calls: Sequence[Call], deadline: float, steps: Steps[Call, Answer]) -> list[Answer]:
         async with contextlib.AsyncExitStack() as stack:
             model = steps.model
             slots = [await stack.enter_async_context(self.dispatcher.slot(model.index, model.name)) for _ in calls]
@@ -111,7 +112,7 @@ class Inference:
             return await slot.submit(item, deadline, tracing.to_worker(span))
 
     @staticmethod
-    def _decode_into(steps: Steps[Call], call: Call, slot: Slot) -> Any:
+    def _decode_into(steps: Steps[Call, Any], call: Call, slot: Slot) -> Any:
         """The item decoded, its arrays written into its slot; what remains travels in the message."""
         item = _hook(steps.decode, steps.names[0], metrics.DECODE_DURATION.labels(steps.model.name), call)
         try:
@@ -121,7 +122,7 @@ class Inference:
             raise ApiError(500, "api_error", f"{steps.names[0]} returned what cannot travel: {exc}"[:300]) from None
 
     @staticmethod
-    def _encode(steps: Steps[Call], call: Call, slot: Slot, answer: Any) -> Any:
+    def _encode(steps: Steps[Call, Answer], call: Call, slot: Slot, answer: Any) -> Answer:
         """The worker's answer, read from the slot where it lies there, encoded."""
         seconds = metrics.ENCODE_DURATION.labels(steps.model.name)
         return _hook(steps.encode, steps.names[1], seconds, slot.result(answer), call)

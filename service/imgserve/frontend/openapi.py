@@ -132,7 +132,9 @@ class Describer:
         options.update(self._common(path, tag, options.pop("responses", {}), body))
         return APIRoute(path, endpoint, methods=[method], name=name, **options)
 
-    def _common(self, path: str, tag: str, answers: dict[int | str, Any], body: dict[str, Any] | None) -> dict:
+    def _common(
+        self, path: str, tag: str, answers: dict[int | str, Any], body: dict[str, Any] | None
+    ) -> dict[str, Any]:
         """Its tag, its answers with 401 where a key is needed, and the key schemes and request body FastAPI lacks."""
         answers, extra = dict(answers), dict[str, Any]()
         if self.keys and route(path) in self.guarded:

@@ -41,7 +41,7 @@ class Routes:
         """POST at the model's path: the call read into a Request, decoded, run, encoded and answered."""
         api = model.api
         encode = encoder(api)
-        steps: Steps[ApiRequest] = Steps(
+        steps: Steps[ApiRequest, Response] = Steps(
             model, api.decode_request, lambda output, call: http_response(encode(output, call)), call_size
         )
 

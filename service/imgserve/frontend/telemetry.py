@@ -137,7 +137,7 @@ def _gpu_metrics() -> Iterator[Metric]:
 def exposition(pod: PodCollector) -> bytes:
     """The /metrics body: every process's samples merged, plus the pod's live gauges."""
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)
+    multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # prometheus_client: untyped
     registry.register(pod)
     return generate_latest(registry)
 

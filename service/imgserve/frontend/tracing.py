@@ -240,7 +240,8 @@ def _target(scope: Scope) -> str:
 
 
 def _header(scope: Mapping[str, Any], name: bytes) -> str | None:
-    for key, value in scope["headers"]:
+    headers: Iterable[tuple[bytes, bytes]] = scope["headers"]
+    for key, value in headers:
         if key == name:
             return value.decode("latin-1")
     return None

@@ -50,7 +50,7 @@ class _Pending:
     submitted: float
     deadline: float
     message: bytes  # packed (wire.pack_request), kept to be sent again if its worker died holding it
-    answer: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    answer: asyncio.Future[Any] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     given_up: bool = False
     resent: bool = False
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 from dataclasses import dataclass
+from multiprocessing.sharedctypes import SynchronizedArray
 from typing import Any
 
 from imgserve.pod import Limits, Measured
@@ -27,14 +28,14 @@ class ModelStates:
 
     def __init__(self, models: int, workers: int) -> None:
         self.count, self.workers = models, workers
-        self._state = _ctx.Array("b", models)
-        self._wanted = _ctx.Array("b", models)
+        self._state: SynchronizedArray[int] = _ctx.Array("b", models)
+        self._wanted: SynchronizedArray[int] = _ctx.Array("b", models)
         self._reason: Any = _ctx.Array("c", models * REASON_BYTES)
-        self._held = _ctx.Array("b", workers * models)
-        self._measured = _ctx.Array("d", models * 2)
-        self._limits = _ctx.Array("q", models * 3)
+        self._held: SynchronizedArray[int] = _ctx.Array("b", workers * models)
+        self._measured: SynchronizedArray[float] = _ctx.Array("d", models * 2)
+        self._limits: SynchronizedArray[int] = _ctx.Array("q", models * 3)
         self._task: Any = _ctx.Array("c", models * TASK_BYTES)
-        self._weight_bytes = _ctx.Array("q", models)
+        self._weight_bytes: SynchronizedArray[int] = _ctx.Array("q", models)
 
     # The main process's word.
     def state(self, model: int) -> int:

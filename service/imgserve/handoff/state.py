@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import time
+from multiprocessing.sharedctypes import Synchronized, SynchronizedArray
 from typing import Any
 
 from imgserve.handoff.model_state import ModelStates
@@ -22,16 +23,18 @@ class SharedState:
 
     def __init__(self, workers: int, request_slots: int = 1, front_ends: int = 1, models: int = 1) -> None:
         # Admitted requests per front end and model, so the requests of a front end that died can be written off.
-        self._admitted = _ctx.Array("i", front_ends * models)
+        self._admitted: SynchronizedArray[int] = _ctx.Array("i", front_ends * models)
         self.models = ModelStates(models, workers)
         self._front_end = 0  # which front end this process is (set after the fork, in that process)
-        self._draining = _ctx.Value("b", 0)
-        self._grpc_front_end = _ctx.Value("i", -1)  # the front end whose gRPC server listens (--grpc-port); -1: none
-        self._exit_code = _ctx.Value("i", 0)
-        self._status = _ctx.Array("b", workers)  # per worker index: its current process's STARTING, READY, FAILED
-        self._overhead = _ctx.Array("q", workers)  # per worker index: its process's own memory, before any model
-        self._alive = _ctx.Array("b", [1] * workers)
-        self._lost_at = _ctx.Array("d", [0.0] * workers)
+        self._draining: Synchronized[int] = _ctx.Value("b", 0)
+        # The front end whose gRPC server listens (--grpc-port); -1: none.
+        self._grpc_front_end: Synchronized[int] = _ctx.Value("i", -1)
+        self._exit_code: Synchronized[int] = _ctx.Value("i", 0)
+        # Per worker index: its current process's STARTING, READY, FAILED; its process's own memory, before any model.
+        self._status: SynchronizedArray[int] = _ctx.Array("b", workers)
+        self._overhead: SynchronizedArray[int] = _ctx.Array("q", workers)
+        self._alive: SynchronizedArray[int] = _ctx.Array("b", [1] * workers)
+        self._lost_at: SynchronizedArray[float] = _ctx.Array("d", [0.0] * workers)
         self._lives = _ctx.Array("i", workers, lock=False)  # per worker index: how many of its processes died
         # Per request slot: the front end's ticket (one writer), and which worker took it (first taker wins).
         self._owner = _ctx.Array("q", request_slots, lock=False)
@@ -130,7 +133,8 @@ class SharedState:
 
     @property
     def setup_failure(self) -> str:
-        return self._setup_failure.value.decode(errors="replace")
+        failure: bytes = self._setup_failure.value
+        return failure.decode(errors="replace")
 
     # Worker health, kept by the main process's supervisor.
     def worker_lost(self, worker: int) -> None:
@@ -156,7 +160,8 @@ class SharedState:
 
     def owns(self, slot: int, ticket: int) -> bool:
         """Is request `ticket` still the one in `slot`? (A request given up on long ago may have lost it.)"""
-        return self._owner[slot] == ticket
+        owner: int = self._owner[slot]
+        return owner == ticket
 
     def mark_taken(self, slot: int, ticket: int, worker: int) -> bool:
         """Worker `worker` takes request `ticket` from `slot`; False (nothing marked) if the slot moved on or another

@@ -68,7 +68,8 @@ def pack_request(message: RequestMessage) -> bytes:
     travel."""
     fields = [message.front_end, message.uid, message.slot, message.ticket, message.model]
     fields += [message.queued, message.deadline]
-    return msgpack.packb([*fields, message.item, message.trace], default=_pack_value)
+    packed: bytes = msgpack.packb([*fields, message.item, message.trace], default=_pack_value)
+    return packed
 
 
 def unpack_request(data: bytes) -> RequestMessage:
@@ -87,7 +88,8 @@ def unpack_request(data: bytes) -> RequestMessage:
 
 def pack_answer(uid: str, output: Any) -> bytes:
     """[uid, output]: an item (arrays and bytes in the slot) or an ApiError; TypeError for what cannot travel."""
-    return msgpack.packb([uid, output], default=_pack_value)
+    packed: bytes = msgpack.packb([uid, output], default=_pack_value)
+    return packed
 
 
 def unpack_answer(data: bytes) -> tuple[str, Any]:
@@ -158,7 +160,7 @@ def _unpack(data: bytes, ext_hook: Any) -> Any:
 def _dtype(name: Any) -> np.dtype:
     _check(isinstance(name, str) and len(name) <= 8, "dtype")
     try:
-        dtype = np.dtype(name)
+        dtype: np.dtype = np.dtype(name)
     except TypeError:
         raise WireError("dtype") from None
     _check(dtype.kind in ARRAY_KINDS, "dtype")

@@ -22,7 +22,8 @@ class Denoiser(nn.Module):
         self.body = nn.Sequential(*layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x - self.body(x)).clamp(0.0, 1.0)
+        noise: torch.Tensor = self.body(x)
+        return (x - noise).clamp(0.0, 1.0)
 
 
 def build_denoiser() -> Denoiser:

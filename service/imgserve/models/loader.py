@@ -11,6 +11,7 @@ import sys
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -110,7 +111,9 @@ def _load(path: Path, factory: str | None, trust_pickle: bool, lazy: bool) -> to
 
         return _with_state(factory, load_file(str(path)))
     if is_torchscript(path):
-        return torch.jit.load(str(path), map_location="cpu").eval()
+        # torch leaves jit.load unannotated
+        script: torch.jit.ScriptModule = torch.jit.load(str(path), map_location="cpu")  # type: ignore[no-untyped-call]
+        return script.eval()
     mmap = lazy and zipfile.is_zipfile(path)
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
@@ -168,12 +171,13 @@ def _import_factory(factory: str) -> Callable[[], torch.nn.Module]:
     if os.getcwd() not in sys.path:  # `nets:build` finds nets.py in the current directory, as `python -m` would
         sys.path.insert(0, os.getcwd())
     try:
-        return getattr(importlib.import_module(module_name), attribute)
+        build: Callable[[], torch.nn.Module] = getattr(importlib.import_module(module_name), attribute)
+        return build
     except (ImportError, AttributeError) as exc:
         raise ModelLoadError(f"cannot import model factory {factory!r}: {exc}") from None
 
 
-def _with_state(factory: str | None, state: dict) -> torch.nn.Module:
+def _with_state(factory: str | None, state: dict[str, Any]) -> torch.nn.Module:
     module = _import_factory(factory or "")()
     try:
         module.load_state_dict(state)

@@ -139,7 +139,7 @@ def to_pixels(output: torch.Tensor) -> np.ndarray:
         return scaled.to(torch.uint8, memory_format=torch.contiguous_format).cpu().numpy()
 
 
-def _detections(found: dict[str, torch.Tensor], size: tuple[int, int]) -> dict[str, list]:
+def _detections(found: dict[str, torch.Tensor], size: tuple[int, int]) -> dict[str, list[Any]]:
     height, width = size
     boxes = found["boxes"].detach().float().cpu().clone()
     boxes[:, 0::2] = boxes[:, 0::2].clamp(0, width)

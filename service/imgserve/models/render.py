@@ -135,7 +135,7 @@ class Renderer:
         image.putpalette(PALETTE)
         return Response(codec.save(image, "png"), media_type=codec.OUTPUT_TYPES["png"])
 
-    def detections(self, found: dict[str, list], geometry: Geometry, params: PredictParams) -> JSONResponse:
+    def detections(self, found: dict[str, list[Any]], geometry: Geometry, params: PredictParams) -> JSONResponse:
         answer = [
             {"box": box, "index": index, "label": self.label(index), "score": score}
             for box, index, score in detections_on_original(found, geometry, params.score_threshold)
@@ -176,7 +176,7 @@ def _number(parameters: Mapping[str, Any], name: str, default: float, low: float
 
 
 def detections_on_original(
-    found: dict[str, list], geometry: Geometry, threshold: float
+    found: dict[str, list[Any]], geometry: Geometry, threshold: float
 ) -> list[tuple[list[float], int, float]]:
     """(box on the upload as left, top, right, bottom; class index; score) of each detection scoring >= threshold."""
     kept = []

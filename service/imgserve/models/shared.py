@@ -26,6 +26,7 @@ from imgserve.models.loader import for_inference
 log = logging.getLogger(__name__)
 FILE_NAME = "weights.safetensors"
 NHWC_KEY, ALIAS_KEY = "imgserve.nhwc", "imgserve.aliases"  # metadata: 4-D tensors stored as NHWC; tied names
+Identity = tuple[int, tuple[int, ...], tuple[int, ...]]  # a tensor's data pointer, shape and strides
 # What each worker still holds on its own, by the kind of module the model file gives (parameters and buffers are
 # always shared): /info says it.
 PRIVATE_PER_WORKER = {
@@ -47,7 +48,7 @@ class SharedWeights:
     kind: str = "module"  # a key of PRIVATE_PER_WORKER
     owner: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)  # main process only
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "owner": {}}  # the owner's tensors stay in the main process
 
     @property
@@ -89,7 +90,8 @@ class SharedWeights:
     def tensors(self, device: str) -> dict[str, torch.Tensor]:
         """The weights as views of the shared memory (called in the worker)."""
         if self.path is None:
-            return pickle.loads(self.cuda[device])  # noqa: S301 - our own main process wrote these bytes
+            views: dict[str, torch.Tensor] = pickle.loads(self.cuda[device])  # noqa: S301 - our main process wrote them
+            return views
         from safetensors import safe_open
 
         with safe_open(str(self.path), framework="pt") as mapped:
@@ -164,7 +166,7 @@ def share_on_cuda(model: torch.nn.Module, devices: list[str]) -> SharedWeights:
 
 def _moved(state: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tensor]:
     """The state on `device` in its layout (channels_last kept), tied tensors still one tensor."""
-    moved: dict[tuple, torch.Tensor] = {}
+    moved: dict[Identity, torch.Tensor] = {}
     out = {}
     for name, tensor in state.items():
         key = _identity(tensor)
@@ -174,7 +176,7 @@ def _moved(state: dict[str, torch.Tensor], device: str) -> dict[str, torch.Tenso
     return out
 
 
-def _identity(tensor: torch.Tensor) -> tuple:
+def _identity(tensor: torch.Tensor) -> Identity:
     """The same tensor under two names (tied weights) has the same identity."""
     return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride())
 
@@ -185,7 +187,7 @@ def _flat_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], list[s
     state: dict[str, torch.Tensor] = {}
     nhwc: list[str] = []
     aliases: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
+    seen: dict[Identity, str] = {}
     storages: set[int] = set()
     for name, tensor in model.state_dict().items():
         key = _identity(tensor)

@@ -21,12 +21,14 @@ def clean_image(rng: np.random.Generator, height: int, width: int) -> np.ndarray
         image[mask] = colour
     frequency = rng.uniform(4, 20)
     image += 0.05 * np.sin(2 * np.pi * frequency * (xx + yy))[..., None]
-    return np.clip(image, 0, 1).astype(np.float32)
+    clean: np.ndarray = np.clip(image, 0, 1).astype(np.float32)
+    return clean
 
 
 def add_noise(rng: np.random.Generator, image: np.ndarray, sigma: float) -> np.ndarray:
     """Gaussian noise of standard deviation `sigma` (on the 0..1 scale), clipped back to [0, 1]."""
-    return np.clip(image + rng.normal(0, sigma, image.shape).astype(np.float32), 0, 1)
+    noisy: np.ndarray = np.clip(image + rng.normal(0, sigma, image.shape).astype(np.float32), 0, 1)
+    return noisy
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:

@@ -86,7 +86,7 @@ class Supervisor:
             if process.is_alive():
                 continue
             self.state.forget_front_end(index)
-            multiprocess.mark_process_dead(process.pid)
+            multiprocess.mark_process_dead(process.pid)  # type: ignore[no-untyped-call]  # prometheus_client: untyped
             now = time.monotonic()
             self.front_end_deaths.append(now)
             if len(self.front_end_deaths) == FRONT_END_DEATHS and now - self.front_end_deaths[0] < FRONT_END_WINDOW_S:
@@ -110,7 +110,7 @@ class Supervisor:
             if self.state.worker_status(index) == FAILED and not self.was_ready:
                 return Ending(self.state.setup_failure, 2)
             self.state.worker_lost(index)
-            multiprocess.mark_process_dead(process.pid)
+            multiprocess.mark_process_dead(process.pid)  # type: ignore[no-untyped-call]  # prometheus_client: untyped
             if self.worker_restarts >= MAX_WORKER_RESTARTS:
                 return Ending(f"inference worker {index} died (exit {process.exitcode}); out of restarts, stopping", 1)
             self.worker_restarts += 1

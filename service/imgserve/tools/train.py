@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 import numpy as np
 import torch
@@ -15,8 +16,12 @@ from imgserve.models.synthetic import add_noise, clean_image, psnr
 def _batch(rng: np.random.Generator, size: int, patch: int) -> tuple[torch.Tensor, torch.Tensor]:
     clean = np.stack([clean_image(rng, patch, patch) for _ in range(size)])
     noisy = np.stack([add_noise(rng, c, rng.uniform(0.02, 0.15)) for c in clean])
-    to_tensor = lambda a: torch.from_numpy(a).permute(0, 3, 1, 2).contiguous()  # noqa: E731
-    return to_tensor(noisy), to_tensor(clean)
+    return _to_tensor(noisy), _to_tensor(clean)
+
+
+def _to_tensor(images: np.ndarray) -> torch.Tensor:
+    """NHWC images as a contiguous NCHW tensor."""
+    return torch.from_numpy(images).permute(0, 3, 1, 2).contiguous()
 
 
 def train(steps: int, seed: int = 0, batch: int = 16, patch: int = 48) -> Denoiser:
@@ -30,7 +35,7 @@ def train(steps: int, seed: int = 0, batch: int = 16, patch: int = 48) -> Denois
         noisy, clean = _batch(rng, batch, patch)
         loss = torch.nn.functional.mse_loss(model(noisy), clean)
         optimizer.zero_grad()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # torch leaves Tensor.backward unannotated
         optimizer.step()
         schedule.step()
         if step % 100 == 0:
@@ -52,7 +57,7 @@ def evaluate(model: Denoiser, sigma: float = 0.1, seed: int = 1234, count: int =
     return float(np.mean(before)), float(np.mean(after))
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     """Add the `train` subcommand."""
     parser = subparsers.add_parser("train", help="train the built-in denoiser and write its weights")
     parser.add_argument("--steps", type=int, default=1500, help="optimizer steps")

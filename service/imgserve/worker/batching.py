@@ -35,7 +35,7 @@ UNBOUNDED = 2**62  # the element budget of an API with nothing measured (its bat
 class Shape:
     """What the runner needs to know of a decoded item: what it can be batched with, and its size."""
 
-    signature: tuple  # the tree's structure with each array's shape and dtype: items that stack share it
+    signature: tuple[Any, ...]  # the tree's structure with each array's shape and dtype: items that stack share it
     elements: int  # the elements of its arrays
     image: tuple[int, int, int] | None  # (height, width, channels) when the item is one HxWxC array
 
@@ -62,7 +62,7 @@ class Shape:
 def plan_chunks(shapes: Sequence[Shape], budget: int, group_by_shape: bool) -> list[list[int]]:
     """Group item indices into chunks the API's `batch` takes and the budget holds (a lone item always runs)."""
     if group_by_shape:
-        groups: dict[tuple, list[int]] = {}
+        groups: dict[tuple[Any, ...], list[int]] = {}
         for index, shape in enumerate(shapes):
             groups.setdefault(shape.signature, []).append(index)
         return [chunk for group in groups.values() for chunk in _within(group, shapes, budget)]

@@ -36,7 +36,7 @@ MAX_MESSAGE = 2**31 - 1
 NOT_PROTOBUF = "the request message is not valid protobuf"
 
 
-class Gate(grpc.aio.ServerInterceptor):
+class Gate(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no type information
     """Sees each call's method and metadata before its message is read. A guarded call without a valid key gets a
     handler that never reads the message and answers UNAUTHENTICATED; every other unary call must send its message
     within `header_timeout_s` (an open RPC's message is a few bytes, sent with its headers), so calls that never send

@@ -101,7 +101,7 @@ def _rpc(label: str) -> Callable[[Handler], Handler]:
     return wrap
 
 
-class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):
+class Servicer(service_pb2_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]  # tritonclient ships no types
     """The core RPCs, ModelConfig (perf_analyzer -i grpc needs it), ModelStreamInfer, ModelStatistics and the model
     repository's; the shared-memory RPCs answer that they are not supported; the rest answer UNIMPLEMENTED."""
 

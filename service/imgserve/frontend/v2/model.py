@@ -250,7 +250,8 @@ def _check_dims(spec: TensorSpec, tensor: Tensor) -> None:
 def _row(tensor: Tensor, index: int) -> np.ndarray:
     """Item `index` of a batched tensor: numbers as an array, BYTES as an object array of bytes."""
     if isinstance(tensor.data, np.ndarray):
-        return tensor.data[index]
+        item: np.ndarray = tensor.data[index]
+        return item
     per_item = int(np.prod(tensor.shape[1:])) if len(tensor.shape) > 1 else 1
     row = np.empty(per_item, dtype=object)
     row[:] = tensor.data[index * per_item : (index + 1) * per_item]

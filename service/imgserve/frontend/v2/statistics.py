@@ -38,7 +38,8 @@ class Samples:
         path = directory or os.environ["PROMETHEUS_MULTIPROC_DIR"]
         files = [file for kind in ("counter", "histogram") for file in glob.glob(os.path.join(path, f"{kind}_*.db"))]
         self.found: dict[str, list[tuple[Labels, float]]] = {}
-        for metric in multiprocess.MultiProcessCollector.merge(files):
+        # prometheus_client leaves merge unannotated
+        for metric in multiprocess.MultiProcessCollector.merge(files):  # type: ignore[no-untyped-call]
             for sample in metric.samples:
                 self.found.setdefault(sample.name, []).append((sample.labels, sample.value))
 

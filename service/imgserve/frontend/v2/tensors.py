@@ -287,7 +287,7 @@ def from_elements(name: str, shape: list[int], values: list[bytes]) -> Tensor:
     return Tensor(name, "BYTES", shape, _check_count(name, shape, values))
 
 
-def from_numbers(name: str, datatype: str, shape: list[int], values: list) -> Tensor:
+def from_numbers(name: str, datatype: str, shape: list[int], values: list[Any]) -> Tensor:
     """A numeric tensor from a flat list of numbers, each checked to fit the datatype: integer datatypes take
     integers only (not NaN, Inf or 1.5), within the datatype's range."""
     dtype = _dtype(name, datatype)
@@ -304,10 +304,10 @@ def from_numbers(name: str, datatype: str, shape: list[int], values: list) -> Te
     return Tensor(name, datatype, shape, _check_count(name, shape, array.astype(dtype)).reshape(shape))
 
 
-def _flatten(data: list, depth: int = 0) -> list:
+def _flatten(data: list[Any], depth: int = 0) -> list[Any]:
     if depth > MAX_DIMENSIONS:
         raise bad(f"data is nested deeper than {MAX_DIMENSIONS} dimensions")
-    flat: list = []
+    flat: list[Any] = []
     for item in data:
         if isinstance(item, list):
             flat.extend(_flatten(item, depth + 1))
@@ -366,7 +366,7 @@ def nbytes(tensor: Tensor) -> int:
     return tensor.data.nbytes  # type: ignore[union-attr]
 
 
-def json_data(tensor: Tensor) -> list:
+def json_data(tensor: Tensor) -> list[Any]:
     """A tensor's JSON `data`: flat, row-major; BYTES as text or base64 (500 for text that is not UTF-8)."""
     if tensor.datatype == "BYTES":
         if not tensor.text:
@@ -376,4 +376,5 @@ def json_data(tensor: Tensor) -> list:
         except UnicodeDecodeError:
             message = f"output {tensor.name!r} is declared text, but encode_response gave bytes that are not UTF-8"
             raise ApiError(500, "api_error", f"{message} (declare it TensorSpec(..., binary=True))") from None
-    return np.asarray(tensor.data).reshape(-1).tolist()
+    values: list[Any] = np.asarray(tensor.data).reshape(-1).tolist()
+    return values

@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from imgserve.tools.plan import inputs, report
 from imgserve.tools.plan.simulate import simulate
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[Any]) -> None:
     """Add the `plan` subcommand."""
     p = subparsers.add_parser(
         "plan",

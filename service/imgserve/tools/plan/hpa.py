@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -68,7 +68,7 @@ class Behavior(_Spec):
         return 1 - self.scale_down.tolerance <= ratio <= 1 + self.scale_up.tolerance
 
 
-def behavior(spec: dict | None = None) -> Behavior:
+def behavior(spec: dict[str, Any] | None = None) -> Behavior:
     """A `behavior` block with the documented defaults filled in for every field it leaves out."""
     spec = spec or {}
     return Behavior.model_validate(

@@ -8,7 +8,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import yaml
@@ -19,7 +19,7 @@ from imgserve.tools.plan.hpa import Behavior, behavior
 CHART_VALUES = Path(__file__).resolve().parents[2] / "charts" / "imgserve" / "values.yaml"
 
 # The keys the planner reads, with the chart's defaults: used when the chart is not next to the package.
-BUILTIN_VALUES: dict = {
+BUILTIN_VALUES: dict[str, Any] = {
     "replicaCount": 1,
     "gpu": {"enabled": True, "count": 1},
     "autoscaling": {
@@ -54,7 +54,7 @@ BUILTIN_VALUES: dict = {
 }
 
 
-def merge(base: dict, override: dict) -> dict:
+def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
     """Helm's merge: maps merge key by key, anything else replaces, and null deletes the key."""
     out = dict(base)
     for key, value in override.items():

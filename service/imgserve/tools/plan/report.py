@@ -27,7 +27,8 @@ def _direction_changes(replicas: np.ndarray) -> np.ndarray:
     """Indices where the replica count turns around (up after down, or down after up)."""
     moves = np.flatnonzero(np.diff(replicas))
     signs = np.sign(np.diff(replicas)[moves])
-    return moves[1:][signs[1:] != signs[:-1]]
+    turns: np.ndarray = moves[1:][signs[1:] != signs[:-1]]
+    return turns
 
 
 def _weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> float:
