@@ -118,6 +118,17 @@ class Request:
         """The uploaded file of the multipart field `name`, if any."""
         return next((upload for upload in self.files if upload.field == name), None)
 
+    def encoded_image(self, name: str = "file") -> codec.EncodedImage | None:
+        """The request's image left encoded, to be decoded in the worker next to its batch: the same upload as
+        `open_image` takes, its header read and checked here as `open_image` checks it (400, 413, 415, 422), nothing
+        decoded. `batch` then gets it as a uint8 HxWx3 torch tensor on the device (batched on a GPU). None for a v2
+        `pixels` input, which is decoded already: take `image()` then."""
+        if self.protocol == "v2":
+            if "pixels" in self.inputs and "image" not in self.inputs:
+                return None
+            return codec.read_header(self._input_bytes(), self.max_image_pixels)
+        return codec.read_header(self._upload(name), self.max_image_pixels)
+
     def image(self, name: str = "file") -> np.ndarray:
         """The request's image as uint8 HxWx3 RGB pixels, decoded strictly under the pixel limit (`open_image`)."""
         return np.asarray(self.open_image(name))
@@ -127,15 +138,21 @@ class Request:
         over the Open Inference Protocol the `image` input (encoded, BYTES) or the `pixels` input (UINT8 HxWx3).
         Whatever the bytes, a 4xx ApiError rather than a crash (400 corrupt, 413 over the limit, 415, 422)."""
         if self.protocol == "v2":
-            return self._input_image()
+            if "pixels" in self.inputs and "image" not in self.inputs:
+                return codec.from_pixels(self.inputs["pixels"], self.max_image_pixels)
+            return codec.open_image(self._input_bytes(), self.max_image_pixels)
+        return codec.open_image(self._upload(name), self.max_image_pixels)
+
+    def _upload(self, name: str) -> bytes:
+        """Over HTTP, the image's bytes: the multipart file `name`, or the raw body."""
         if self.files or self.content_type in FORM_TYPES:
             upload = self.file(name)
             if upload is None:
                 fields = ", ".join([*(f.field for f in self.files), *self.form]) or "none"
                 raise ApiError(422, "missing_file", f"expected a multipart file field named {name!r} (got: {fields})")
-            return codec.open_image(upload.data, self.max_image_pixels)
+            return upload.data
         if self.content_type.startswith(IMAGE_TYPES):
-            return codec.open_image(self.body, self.max_image_pixels)
+            return self.body
         raise ApiError(
             415,
             "unsupported_media_type",
@@ -143,16 +160,16 @@ class Request:
             f"{name!r} field or the raw image with an image/* Content-Type",
         )
 
-    def _input_image(self) -> Image.Image:
+    def _input_bytes(self) -> bytes:
+        """Over the Open Inference Protocol, the encoded image of the `image` input (a 400 for anything else)."""
         if "image" in self.inputs and "pixels" in self.inputs:
             raise ApiError(400, "bad_request", "send one input, 'image' (BYTES) or 'pixels' (UINT8), not both")
         if "image" in self.inputs:
             elements = self.inputs["image"].reshape(-1)
             if elements.size != 1 or not isinstance(elements[0], bytes):
                 raise ApiError(400, "bad_request", "input 'image' is BYTES [N, 1]: one encoded image per item")
-            return codec.open_image(elements[0], self.max_image_pixels)
-        if "pixels" in self.inputs:
-            return codec.from_pixels(self.inputs["pixels"], self.max_image_pixels)
+            data: bytes = elements[0]
+            return data
         given = ", ".join(repr(name[:100]) for name in self.inputs) or "none"
         raise ApiError(400, "bad_request", f"send the input 'image' (BYTES) or 'pixels' (UINT8); got {given}")
 

@@ -7,6 +7,8 @@ any decoding starts: the pixel count and a JPEG's scans are checked from the hea
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
@@ -20,6 +22,64 @@ ACCEPTED_FORMATS = {"JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF", "MPO"}
 # A progressive JPEG's decode time grows with its scans (libjpeg has no limit); real encoders write about ten.
 MAX_JPEG_SCANS = 100
 OUTPUT_TYPES = {"jpeg": "image/jpeg", "png": "image/png", "webp": "image/webp"}
+INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+TURNED = (5, 6, 7, 8)  # the EXIF orientations that swap width and height
+
+
+@dataclass(frozen=True)
+class EncodedImage:
+    """An upload to decode in the inference worker, next to its batch, instead of in the front end: its bytes, its
+    format and its upright size as its header says (read and checked in the front end: `read_header`), and what the
+    worker makes of it after decoding: resized to `resize` (width, height) with `interpolation`, then cropped to
+    `crop` (left, top, width, height of the resized image). The worker hands the API's `batch` a uint8 HxWx3 torch
+    tensor on the device instead (imgserve.worker.decoding)."""
+
+    data: Any  # the bytes (in the worker's hands; a reference to the request's slot on the way)
+    format: str
+    width: int
+    height: int
+    resize: tuple[int, int] | None = None
+    crop: tuple[int, int, int, int] | None = None
+    interpolation: str = "bilinear"
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """The image's size once the worker has decoded, resized and cropped it: (width, height)."""
+        if self.crop is not None:
+            return self.crop[2], self.crop[3]
+        return self.resize or (self.width, self.height)
+
+    def cut(
+        self,
+        resize: tuple[int, int] | None = None,
+        crop: tuple[int, int, int, int] | None = None,
+        interpolation: str = "bilinear",
+    ) -> EncodedImage:
+        """The same upload, to be resized and cropped in the worker (a resize or crop that changes nothing is
+        dropped); ValueError for a crop outside the resized image or an interpolation not in INTERPOLATIONS."""
+        width, height = resize or (self.width, self.height)
+        if crop is not None:
+            left, top, crop_width, crop_height = crop
+            if min(crop) < 0 or left + crop_width > width or top + crop_height > height or 0 in crop[2:]:
+                raise ValueError(f"the crop {crop} is not inside the {width}x{height} image")
+        if interpolation not in INTERPOLATIONS:
+            raise ValueError(f"interpolation is one of {', '.join(INTERPOLATIONS)}")
+        kept_resize = resize if resize is not None and resize != (self.width, self.height) else None
+        kept_crop = crop if crop is not None and crop != (0, 0, width, height) else None
+        return replace(self, resize=kept_resize, crop=kept_crop, interpolation=interpolation)
+
+
+def read_header(data: bytes, max_pixels: int) -> EncodedImage:
+    """Untrusted image bytes -> the upload to decode in the worker, after the checks `open_image` makes before it
+    decodes (an image Pillow reads, an accepted format, the pixel limit, a JPEG's scans): the same 400, 413 and 415,
+    with nothing decoded. Its size is upright (EXIF orientation applied), as the decode makes it."""
+    image = _opened(data, max_pixels)
+    try:
+        turned = image.getexif().get(0x0112) in TURNED
+    except Exception as exc:  # a broken EXIF block, as open_image's transpose would meet it
+        raise _corrupt(exc) from None
+    width, height = image.size
+    return EncodedImage(data, image.format or "", *((height, width) if turned else (width, height)))
 
 
 def open_image(data: bytes, max_pixels: int) -> Image.Image:
@@ -28,6 +88,17 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
     Pillow's plugins raise nearly every exception type on crafted input, so any of them means a corrupt image. Only
     the first frame is decoded, and its pixel count is checked (and JPEG scans counted) before decoding.
     """
+    image = _opened(data, max_pixels)
+    try:
+        image.load()
+        ImageOps.exif_transpose(image, in_place=True)  # a copy would cost as much as a third of the decode
+        return _to_rgb(image)
+    except Exception as exc:
+        raise _corrupt(exc) from None
+
+
+def _opened(data: bytes, max_pixels: int) -> Image.Image:
+    """The image opened from its header, not decoded: an accepted format, under the pixel limit and the scans."""
     if not data:
         raise ApiError(400, "empty_body", "the request carried no image bytes")
     try:
@@ -41,12 +112,7 @@ def open_image(data: bytes, max_pixels: int) -> Image.Image:
     check_size(*image.size, max_pixels)
     if image.format in ("JPEG", "MPO") and data.count(b"\xff\xda") > MAX_JPEG_SCANS:
         raise ApiError(400, "corrupt_image", f"the JPEG has more than {MAX_JPEG_SCANS} scans")
-    try:
-        image.load()
-        ImageOps.exif_transpose(image, in_place=True)  # a copy would cost as much as a third of the decode
-        return _to_rgb(image)
-    except Exception as exc:
-        raise _corrupt(exc) from None
+    return image
 
 
 def decode_image(data: bytes, max_pixels: int) -> np.ndarray:

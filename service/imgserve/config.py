@@ -289,6 +289,12 @@ class BuiltinModel(Concern):
         "auto",
         description="Batch different sizes by padding (edge pixels may differ slightly); auto = on GPU only.",
     )
+    decode_in: Literal["auto", "front-end", "worker"] = Field(
+        "auto",
+        description="Where uploads are decoded, resized and cropped: front-end (Pillow, in the HTTP front ends), "
+        "worker (next to the batch: on a GPU the JPEGs in one batched call, then tensor resizes; on a CPU Pillow "
+        "in the worker); auto = worker where the device is CUDA and torchvision's GPU JPEG decoder is installed.",
+    )
     channels_last: bool = Field(
         True,
         description="Run convolutions in NHWC memory (2-3x faster on CPU, tensor cores on GPU); "

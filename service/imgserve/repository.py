@@ -29,7 +29,7 @@ from pydantic import ValidationError
 from imgserve.api import ImageAPI
 from imgserve.config import Batching, BuiltinModel, Settings, served_name
 from imgserve.litapi import LitServeAPI
-from imgserve.models.builtin import KindRecord, ModelAPI, pads
+from imgserve.models.builtin import KindRecord, ModelAPI, decodes_in_worker, pads
 from imgserve.served import Catalog, ServedModel
 from imgserve.startup import StartupError, load_api
 
@@ -168,7 +168,8 @@ def catalog_of(
     models = []
     for index, (one, batches) in enumerate(zip(chosen, batching, strict=True)):
         if one.builtin is not None:
-            api: ImageAPI = ModelAPI(one.builtin, kinds(index), pads(one.builtin, device_type), retry_s)
+            decoding = decodes_in_worker(one.builtin, device_type)
+            api: ImageAPI = ModelAPI(one.builtin, kinds(index), pads(one.builtin, device_type), retry_s, decoding)
             api.api_path = "/predict" if len(chosen) == 1 else f"/{one.name}/predict"
         elif isinstance(one.api, ImageAPI):
             api = one.api

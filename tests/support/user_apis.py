@@ -210,3 +210,20 @@ class FailsInSetup(ImageAPI):
 
     def setup(self, device: str) -> None:
         raise RuntimeError("the checkpoint for this API is missing")
+
+
+class DecodedInWorker(ImageAPI):
+    """Leaves each upload encoded (`Request.encoded_image`): its `batch` gets the images decoded in the worker, and
+    answers what it was given for each: the type, the shape and the mean of the pixels."""
+
+    def decode_request(self, request: Request) -> Any:
+        return request.encoded_image() or request.image()
+
+    def batch(self, inputs: list[Any]) -> list[Any]:
+        return inputs
+
+    def predict(self, batch: list[Any]) -> list[dict[str, Any]]:
+        return [{"type": type(x).__name__, "shape": list(x.shape), "mean": float(x.float().mean())} for x in batch]
+
+    def unbatch(self, output: list[Any]) -> list[Any]:
+        return output

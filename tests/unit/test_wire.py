@@ -10,11 +10,20 @@ import msgpack
 import numpy as np
 import pytest
 
+from imgserve.codec import EncodedImage
 from imgserve.errors import ApiError
 from imgserve.handoff import wire
 from imgserve.handoff.items import BytesInSlot, InSlot
 
-ITEM = {"image": InSlot(0, (512, 512, 3), "|u1"), "threshold": 0.5, "box": [1, 2, 3, 4], "name": "cat"}
+UPLOAD = EncodedImage(BytesInSlot(786432, 52000), "JPEG", 500, 375, (341, 256), (58, 16, 224, 224), "bicubic")
+ITEM = {
+    "image": InSlot(0, (512, 512, 3), "|u1"),
+    "threshold": 0.5,
+    "box": [1, 2, 3, 4],
+    "name": "cat",
+    "upload": UPLOAD,  # decoded in the worker
+    "small": EncodedImage(b"\x89PNG...", "PNG", 4, 3),
+}
 TRACE = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01 req-42"  # tracing.carry's: traceparent, request id
 REQUEST = wire.RequestMessage(1, "3f2a-uid", 3, 17, 2, 11.0, 42.0, ITEM, TRACE)
 PLAIN = [1, "uid", 3, 17, 2, 11.0, 42.0, {"threshold": 0.5}, ""]  # a request plain msgpack can pack, to break by hand
@@ -50,6 +59,18 @@ def test_a_value_the_wire_does_not_carry_is_refused_when_sent() -> None:
             wire.pack_answer("uid", value)
 
 
+BAD_UPLOADS = [  # an EncodedImage's fields: format, width, height, resize, crop, interpolation, bytes
+    ["JPEG", 500, 375, None, None, "bilinear"],  # no bytes
+    ["EXE", 500, 375, None, None, "bilinear", b"MZ"],  # not an accepted format
+    ["JPEG", 0, 375, None, None, "bilinear", b"x"],  # no pixels
+    ["JPEG", 500, 375, [0, 10], None, "bilinear", b"x"],  # resized to nothing
+    ["JPEG", 500, 375, None, [400, 0, 200, 100], "bilinear", b"x"],  # cropped outside
+    ["JPEG", 500, 375, None, None, "lanczos", b"x"],
+    ["JPEG", 500, 375, None, None, "bilinear", "text"],
+    ["JPEG", 500, 375, None, None, "bilinear", [1, 2]],
+]
+
+
 @pytest.mark.parametrize(
     "data",
     [
@@ -72,6 +93,10 @@ def test_a_value_the_wire_does_not_carry_is_refused_when_sent() -> None:
         msgpack.packb([*PLAIN[:8], "00-" + "0" * 32 + "-b7ad6b7169203331-01 req"]),  # the invalid trace id
         msgpack.packb([*PLAIN[:8], "not a traceparent"]),
         b"",
+        *(
+            msgpack.packb([*PLAIN[:7], {"upload": msgpack.ExtType(wire.ENCODED_IMAGE, msgpack.packb(fields))}, ""])
+            for fields in BAD_UPLOADS
+        ),
     ],
 )
 def test_what_is_not_a_request_is_a_wire_error(data: bytes) -> None:

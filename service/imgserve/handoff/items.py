@@ -1,8 +1,9 @@
 """An item between processes: what `decode_request` returned for one request (front end -> worker), or one output
 of `predict` (worker -> front end).
 
-An item is a tree of plain values (None, bool, int, float, str, bytes, lists, tuples, dicts with str keys) and
-arrays (numpy, or torch tensors, which become numpy on the CPU). `place` writes its arrays, and bytes of more than
+An item is a tree of plain values (None, bool, int, float, str, bytes, lists, tuples, dicts with str keys), arrays
+(numpy, or torch tensors, which become numpy on the CPU) and uploads to decode in the worker (codec.EncodedImage,
+whose bytes travel as bytes do). `place` writes its arrays, and bytes of more than
 `inline_bytes`, into the request's slot one after another and leaves a small reference (`InSlot`, `BytesInSlot`) in
 their place; the tree that remains travels in the message, as msgpack (`wire`). `resolve` reads them back. Tuples
 arrive as lists; nothing else is changed on the way.
@@ -10,12 +11,15 @@ arrive as lists; nothing else is changed on the way.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+
+from imgserve.codec import EncodedImage
 
 ALIGN = 64  # each array starts at a multiple of this many bytes in the slot
 ARRAY_KINDS = "biuf"  # booleans, integers, floats: nothing that holds Python objects
@@ -76,6 +80,8 @@ def place(tree: Any, write: Write, inline_bytes: int = 0, inline_arrays: int = 0
             write(np.frombuffer(data, dtype=np.uint8), offset)
             end = offset + len(data)
             return BytesInSlot(offset, len(data))
+        if isinstance(value, EncodedImage):
+            return dataclasses.replace(value, data=visit(bytes(value.data), f"{where}'s bytes"))
         if isinstance(value, int) and not isinstance(value, bool) and not -(2**63) <= value < 2**64:
             raise TypeError(f"{where} is an integer beyond 64 bits")
         if isinstance(value, PLAIN):
@@ -97,6 +103,8 @@ def resolve(tree: Any, read: Read) -> Any:
         return read(tree.offset, tree.shape, tree.dtype)
     if isinstance(tree, BytesInSlot):
         return read(tree.offset, (tree.length,), "|u1").tobytes()
+    if isinstance(tree, EncodedImage):
+        return dataclasses.replace(tree, data=resolve(tree.data, read))
     if isinstance(tree, list):
         return [resolve(item, read) for item in tree]
     if isinstance(tree, dict):

@@ -2,7 +2,8 @@
 
 A request (front end -> workers) and an answer (worker -> front end) are small msgpack arrays carrying an item
 (handoff/items.py): plain values, and as msgpack extension types an `InSlot` or `BytesInSlot` (the data lies in the
-request's slot), a small numeric array (dtype, shape, raw bytes), and in answers an `ApiError`. Decoding checks
+request's slot), a small numeric array (dtype, shape, raw bytes), an upload to decode in the worker (its header's
+facts, what to cut of it, its bytes), and in answers an `ApiError`. Decoding checks
 every field's type and bound, and anything else is a `WireError`: a datagram the receiver drops with a warning,
 whoever sent it. Nothing is unpickled. The sockets are files in the server's private directory (0700), so no other
 user can reach them.
@@ -20,11 +21,12 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from imgserve import tracing
+from imgserve import codec, tracing
+from imgserve.codec import EncodedImage
 from imgserve.errors import ApiError
 from imgserve.handoff.items import ARRAY_KINDS, BytesInSlot, InSlot
 
-ERROR, IN_SLOT, ARRAY, BYTES_IN_SLOT = 1, 2, 3, 4  # the extension type codes
+ERROR, IN_SLOT, ARRAY, BYTES_IN_SLOT, ENCODED_IMAGE = 1, 2, 3, 4, 5  # the extension type codes
 MAX_DIMENSIONS = 8
 MAX_MODELS = 4096  # a model index is below this (the catalog checks its size against it)
 
@@ -112,6 +114,9 @@ def _pack_value(value: Any) -> msgpack.ExtType:
         return msgpack.ExtType(ARRAY, msgpack.packb([array.dtype.str, list(array.shape), array.tobytes()]))
     if isinstance(value, np.generic) and value.dtype.kind in ARRAY_KINDS:
         return value.item()
+    if isinstance(value, EncodedImage):
+        facts = [value.format, value.width, value.height, value.resize, value.crop, value.interpolation]
+        return msgpack.ExtType(ENCODED_IMAGE, msgpack.packb([*facts, value.data], default=_pack_value))
     raise TypeError(f"cannot send a {type(value).__name__} between processes")
 
 
@@ -129,6 +134,8 @@ def _unpack_value(code: int, data: bytes) -> Any:
 
 def _unpack_item_value(code: int, data: bytes) -> Any:
     """An extension value of an item: where in the slot an array or bytes lie, or a small array."""
+    if code == ENCODED_IMAGE:
+        return _encoded_image(_unpack(data, ext_hook=_unpack_item_value))
     fields = _unpack(data, ext_hook=None)
     _check(isinstance(fields, list), "extension value")
     if code == IN_SLOT and len(fields) == 3:
@@ -144,6 +151,21 @@ def _unpack_item_value(code: int, data: bytes) -> Any:
         _check(math.prod(shape) * dtype.itemsize == len(raw), "array size")
         return np.frombuffer(bytearray(raw), dtype).reshape(shape)
     raise WireError(f"extension type {code}")
+
+
+def _encoded_image(fields: Any) -> EncodedImage:
+    """An upload to decode in the worker, every fact checked as `EncodedImage.cut` checks it."""
+    _check(isinstance(fields, list) and len(fields) == 7, "encoded image")
+    fmt, width, height, resize, crop, interpolation, data = fields
+    _check(fmt in codec.ACCEPTED_FORMATS and _is_shape([width, height]) and width * height > 0, "encoded image")
+    _check(resize is None or (_is_shape(resize) and len(resize) == 2 and 0 not in resize), "encoded image resize")
+    _check(crop is None or (_is_shape(crop) and len(crop) == 4), "encoded image crop")
+    _check(isinstance(data, bytes | BytesInSlot), "encoded image bytes")
+    image = EncodedImage(data, fmt, width, height)
+    try:
+        return image.cut(tuple(resize) if resize else None, tuple(crop) if crop else None, interpolation)
+    except ValueError:
+        raise WireError("bad encoded image cut") from None
 
 
 def _unpack(data: bytes, ext_hook: Any) -> Any:

@@ -10,6 +10,7 @@ HTTP or the Open Inference Protocol (models/render.py).
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,6 +19,7 @@ import torch
 from starlette.responses import Response
 
 from imgserve.api import ImageAPI, Request, TensorSpec
+from imgserve.codec import EncodedImage
 from imgserve.config import BuiltinModel, served_name
 from imgserve.errors import ApiError
 from imgserve.models import outputs
@@ -60,6 +62,14 @@ def pads(settings: BuiltinModel, device_type: str) -> bool:
     return device_type == "cuda" if settings.pad_mixed_sizes == "auto" else bool(settings.pad_mixed_sizes)
 
 
+def decodes_in_worker(settings: BuiltinModel, device_type: str) -> bool:
+    """Whether uploads are decoded in the worker, next to their batch: --decode-in worker, and auto where the device
+    is CUDA and torchvision (whose GPU JPEG decoder the worker uses) is installed."""
+    if settings.decode_in == "auto":
+        return device_type == "cuda" and importlib.util.find_spec("torchvision") is not None
+    return settings.decode_in == "worker"
+
+
 class ModelAPI(ImageAPI):
     """The built-in API over a model file: it answers by the model's output kind (`task` in GET /info): an image
     (`format`, else the `Accept` header's first image type, else the server's default), class scores (`top_k`), a
@@ -72,9 +82,17 @@ class ModelAPI(ImageAPI):
     request_model = PredictParams
     response_types = ("image/jpeg", "image/png", "image/webp", "application/json")
 
-    def __init__(self, settings: BuiltinModel, kinds: KindRecord, pad: bool, retry_after_s: int = 1) -> None:
+    def __init__(
+        self,
+        settings: BuiltinModel,
+        kinds: KindRecord,
+        pad: bool,
+        retry_after_s: int = 1,
+        decode_in_worker: bool = False,
+    ) -> None:
         super().__init__()
         self.settings, self.kinds, self.retry_after_s = settings, kinds, retry_after_s
+        self.decode_in_worker = decode_in_worker  # uploads left encoded, decoded and cut next to the batch
         self.model, self.model_factory = settings.model[0], settings.model_factory  # type: ignore[misc]
         self.name = served_name(settings.model[0])  # type: ignore[misc]
         self.precision = settings.precision  # type: ignore[misc]
@@ -115,7 +133,7 @@ class ModelAPI(ImageAPI):
         self.kinds.set_task(self.worker_kind)
 
     def batch(self, inputs: list[Any]) -> Batch:
-        return Batch(self.runner.host_batch(inputs), [(image.shape[0], image.shape[1]) for image in inputs])
+        return Batch(self.runner.pixel_batch(inputs), [(image.shape[0], image.shape[1]) for image in inputs])
 
     def predict(self, batch: Batch) -> list[Any]:
         """One result per image, taken from the output on the device: pixels, a mask, scores or detections."""
@@ -135,13 +153,18 @@ class ModelAPI(ImageAPI):
         self.runner.release()
 
     # In the front ends.
-    def decode_request(self, request: Request) -> np.ndarray:
-        """The upload as the model's uint8 HxWx3 input; the query parameters and how the input was cut from the
-        upload stay in the request's context for the answer."""
+    def decode_request(self, request: Request) -> np.ndarray | EncodedImage:
+        """The upload as the model's uint8 HxWx3 input, or (decoding in the worker) the upload with its header checked
+        and how to cut it; the query parameters and how the input was cut from the upload stay in the request's
+        context for the answer."""
         if request.protocol == "http":
             request.context["params"] = PredictParams.parse({**request.form, **request.query})
-        pixels, request.context["geometry"] = self.preprocess(request.open_image())
-        return pixels
+        encoded = request.encoded_image() if self.decode_in_worker else None
+        if encoded is None:
+            pixels, request.context["geometry"] = self.preprocess(request.open_image())
+            return pixels
+        geometry = request.context["geometry"] = self.preprocess.geometry(encoded.width, encoded.height)
+        return encoded.cut(geometry.resized, geometry.crop, self.preprocess.interpolation)
 
     def encode_response(self, output: Any, request: Request) -> Response | dict[str, Any]:
         geometry: Geometry = request.context["geometry"]

@@ -52,16 +52,20 @@ class Preprocess:
         return cls(settings.resize_size, settings.input_size, settings.interpolation)
 
     def __call__(self, image: Image.Image) -> Prepared:
-        original = image.size
-        resized = self.resized_size(*original)
-        if resized != original:
-            image = image.resize(resized, FILTERS[self.interpolation])
-        crop = self.crop_box(*resized)
-        if crop[2:] != resized:
-            left, top, width, height = crop
+        geometry = self.geometry(*image.size)
+        if geometry.resized != geometry.original:
+            image = image.resize(geometry.resized, FILTERS[self.interpolation])
+        if geometry.crop[2:] != geometry.resized:
+            left, top, width, height = geometry.crop
             image = image.crop((left, top, left + width, top + height))
         # Read-only, over one copy of the pixels (np.array would make a second): they are only written to a slot.
-        return Prepared(np.asarray(image), Geometry(original, resized, crop))
+        return Prepared(np.asarray(image), geometry)
+
+    def geometry(self, width: int, height: int) -> Geometry:
+        """How an upload of this size is cut: what the PIL part does to it, decided from its size alone (so that
+        the worker can do it to an upload the front end left encoded)."""
+        resized = self.resized_size(width, height)
+        return Geometry((width, height), resized, self.crop_box(*resized))
 
     def resized_size(self, width: int, height: int) -> tuple[int, int]:
         """torchvision Resize(N): the shorter side becomes N, the longer N * long / short truncated to an int."""

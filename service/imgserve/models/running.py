@@ -24,7 +24,7 @@ ONE_THREAD_ELEMENTS = 1 << 20  # a CPU batch under this many input values is con
 
 
 class ModelRunner:
-    """One model on one device: `host_batch` fills the reused input buffer, `forward` runs the model on it."""
+    """One model on one device: `pixel_batch` fills the reused input buffer, `forward` runs the model on it."""
 
     def __init__(
         self,
@@ -59,14 +59,20 @@ class ModelRunner:
         layout = torch.channels_last if channels_last else torch.contiguous_format
         self.model.to(memory_format=layout)  # type: ignore[call-overload]  # torch's stubs lack it
 
-    def host_batch(self, images: Sequence[np.ndarray]) -> torch.Tensor:
+    def pixel_batch(self, images: Sequence[np.ndarray | torch.Tensor]) -> torch.Tensor:
         """The images as one uint8 NxHxWx3 buffer of their largest height and width; smaller images are padded by
-        repeating their edge pixels."""
+        repeating their edge pixels. On the host, or on the device where the first image lies there already (decoded
+        in the worker)."""
         height = max(image.shape[0] for image in images)
         width = max(image.shape[1] for image in images)
-        batch = self._buffer("host", (len(images), height, width, 3), torch.uint8, torch.device("cpu"))
-        rows = batch.numpy()
+        on_device = isinstance(images[0], torch.Tensor) and images[0].device.type != "cpu"
+        where = self.device if on_device else torch.device("cpu")
+        batch = self._buffer(f"pixels-{where.type}", (len(images), height, width, 3), torch.uint8, where)
+        tensors = any(isinstance(image, torch.Tensor) for image in images)
+        rows = batch if tensors else batch.numpy()
         for row, image in zip(rows, images, strict=True):
+            if tensors and isinstance(image, np.ndarray):
+                image = torch.tensor(image, device=where)  # v2 `pixels`, decoded before the worker
             h, w = image.shape[:2]
             row[:h, :w] = image
             if (h, w) != (height, width):

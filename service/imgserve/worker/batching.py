@@ -1,5 +1,6 @@
-"""Memory-bounded batching: the decoded items of a gathered batch split into chunks the memory allows, each run
-through the API's `batch` -> `predict` -> `unbatch`, split again on out-of-memory, a failing item isolated.
+"""Memory-bounded batching: the decoded items of a gathered batch (uploads left encoded decoded first, next to the
+batch: worker/decoding.py) split into chunks the memory allows, each run through the API's `batch` -> `predict` ->
+`unbatch`, split again on out-of-memory, a failing item isolated.
 
 An item's size is the count of the elements of its arrays. The memory a chunk needs is measured once per model, when
 the worker sets it up, on the API's example request (bytes per element at the peak, CUDA allocator or peak RSS);
@@ -25,6 +26,7 @@ from imgserve import heap
 from imgserve.api import ImageAPI
 from imgserve.errors import ApiError, fault, from_exception
 from imgserve.pod import Measured
+from imgserve.worker.decoding import decode_items
 
 log = logging.getLogger(__name__)
 MAX_PAD_WASTE = 2.0  # a padded chunk may hold at most twice the real elements
@@ -55,7 +57,7 @@ class Shape:
             return ("value", type(node).__name__)
 
         signature = visit(value)
-        image = tuple(value.shape) if isinstance(value, np.ndarray) and value.ndim == 3 else None
+        image = tuple(value.shape) if isinstance(value, np.ndarray | torch.Tensor) and value.ndim == 3 else None
         return cls(signature, max(elements, 1), image)
 
 
@@ -115,14 +117,18 @@ class BatchRunner:
         self.last_need_bytes = 0  # what the largest chunk of the last call needed at its peak
 
     def __call__(self, values: list[Any]) -> list[Any]:
-        shapes = [Shape.of(value) for value in values]
+        values, failed = decode_items(values, self.device)
+        live = [index for index in range(len(values)) if index not in failed]
+        results: list[Any] = [failed.get(index) for index in range(len(values))]
+        if not live:
+            return results
+        shapes = [Shape.of(values[index]) for index in live]
         chunks = plan_chunks(shapes, self.element_budget, self.api.group_by_shape)
         largest = max(sum(shapes[i].elements for i in chunk) for chunk in chunks)
         self.last_need_bytes = int(self.bytes_per_element * largest)
-        results: list[Any] = [None] * len(values)
         for chunk in chunks:
-            for index, output in zip(chunk, self._run_chunk([values[i] for i in chunk]), strict=True):
-                results[index] = output
+            for i, output in zip(chunk, self._run_chunk([values[live[i]] for i in chunk]), strict=True):
+                results[live[i]] = output
         return results
 
     def _run_chunk(self, values: list[Any]) -> list[Any]:
@@ -159,7 +165,11 @@ class BatchRunner:
 
     def measure(self, value: Any) -> Measured:
         """Run one decoded example item and measure the peak memory per element of its arrays (CUDA allocator, or
-        peak RSS on a CPU): what a batch of such items needs, beside the weights already in place."""
+        peak RSS on a CPU): what a batch of such items needs, beside the weights already in place. An upload left
+        encoded is decoded first, as a batch's are."""
+        (value,), failed = decode_items([value], self.device)
+        if failed:
+            raise failed[0]
         elements = Shape.of(value).elements
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
