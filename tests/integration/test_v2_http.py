@@ -42,7 +42,13 @@ def test_health_metadata_and_config_agree(client: triton.InferenceServerClient) 
     assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(MODEL)
     server = client.get_server_metadata()
     assert server["name"] == "imgserve"
-    assert set(server["extensions"]) == {"binary_tensor_data", "model_configuration", "classification", "statistics"}
+    assert set(server["extensions"]) == {
+        "binary_tensor_data",
+        "model_configuration",
+        "classification",
+        "statistics",
+        "model_repository",
+    }
     metadata = client.get_model_metadata(MODEL)
     assert metadata["inputs"] == [
         {"name": "image", "datatype": "BYTES", "shape": [-1, 1]},
