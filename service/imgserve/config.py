@@ -174,7 +174,8 @@ class Queueing(Concern):
     max_queue_depth: int = Field(
         0,
         ge=0,
-        description="Admitted-but-unanswered requests per pod before 503; 0 = max_batch_size x workers x 4.",
+        description="Admitted-but-unanswered requests per pod, and per model, before 503; 0 = each model's "
+        "max_batch_size x workers x 4, the pod's their sum.",
     )
     request_timeout_s: float = Field(30.0, gt=0, description="Default deadline of a request.")
     max_request_timeout_s: float = Field(120.0, gt=0, description="Cap on the X-Request-Timeout header.")

@@ -84,10 +84,10 @@ class PodPlan:
     max_queue_depth: int = 0  # the operator's bound (0: from the batch size, `queue_bound`)
 
     def model_queue_bound(self, batch_size: int) -> int:
-        """Admitted-but-unanswered requests of one model: `QUEUED_BATCHES_PER_WORKER` full batches per worker at
-        `batch_size` (the batch size the model settled on), within max_queue_depth."""
-        own = batch_size * self.workers * QUEUED_BATCHES_PER_WORKER
-        return min(own, self.max_queue_depth) if self.max_queue_depth else own
+        """Admitted-but-unanswered requests of one model: the operator's max_queue_depth when set (a model may then
+        take the whole pod), else `QUEUED_BATCHES_PER_WORKER` full batches per worker at `batch_size` (the batch size
+        the model settled on)."""
+        return self.max_queue_depth or batch_size * self.workers * QUEUED_BATCHES_PER_WORKER
 
     def queue_bound(self, batch_sizes: Sequence[int]) -> int:
         """Admitted-but-unanswered requests per pod: max_queue_depth, or the bounds of the models loaded (at the

@@ -242,7 +242,7 @@ def test_health_info_and_metrics(server: Server) -> None:
     assert info["model"] == "builtin:denoiser"
     assert (info["device"], info["precision"], info["max_batch_size"]) == ("cpu", "fp32", 8)
     assert info["batch_element_budget"] > 0
-    assert server.metric("imgserve_model_info", model="builtin:denoiser", device="cpu") == 1
+    assert server.metric("imgserve_model_info", model="denoiser", source="builtin:denoiser", device="cpu") == 1
 
 
 def test_cpu_workers_may_each_use_twice_their_share_of_the_cores_and_wait_passively(server: Server) -> None:

@@ -85,8 +85,9 @@ def test_tied_weights_stay_one_tensor(tmp_path: Path) -> None:
 
 
 def test_a_directory_that_cannot_hold_the_weights_means_private_copies_not_a_crash(tmp_path: Path) -> None:
-    missing = tmp_path / "gone"  # a /dev/shm that cannot be written (here: not there at all)
-    weights = prepare(build_denoiser(), "cpu", ["cpu"], missing, enabled=True, channels_last=True)
+    blocked = tmp_path / "a-file"  # a /dev/shm that cannot be written (here: its model folder cannot be made)
+    blocked.write_bytes(b"")
+    weights = prepare(build_denoiser(), "cpu", ["cpu"], blocked / "model", enabled=True, channels_last=True)
     assert not weights.shared and "cannot" in weights.describe()["route"]
 
 
@@ -139,7 +140,7 @@ def expected_answer(weight_file: Path) -> np.ndarray:
     """The heavy model run in-process on the probe, as the server runs it: the built-in API's own hooks."""
     settings = Settings(model=str(weight_file), model_factory=HEAVY)
     api = ModelAPI(settings, LocalKinds(), pad=False)
-    model = load_model(settings.model, settings.model_factory)
+    model = load_model(settings.model[0], settings.model_factory)
     api.model_loader = lambda device: model.to(device)
     running = InProcess(api).setup()
     (answer,) = running.predict([api.decode_request(Request(body=PROBE, content_type="image/png"))])

@@ -66,7 +66,8 @@ def test_the_batch_memory_is_measured_on_the_apis_example_and_sets_max_batch_siz
     for described in (small, large):
         per_element = described["batch_memory_budget_bytes_per_worker"] / described["batch_element_budget"]
         assert described["batch_element_budget"] > 0
-        assert HUNGRY_BYTES_PER_ELEMENT <= per_element < 2 * HUNGRY_BYTES_PER_ELEMENT, described
+        # peak RSS counts whole pages, one may already be resident: within 0.1% under (6 of the small example's 6,144)
+        assert 0.999 * HUNGRY_BYTES_PER_ELEMENT <= per_element < 2 * HUNGRY_BYTES_PER_ELEMENT, described
     assert small["max_batch_size"] == auto_batch(small, 256) > 1
     assert large["max_batch_size"] == auto_batch(large, 512) > 1
     assert large["max_batch_size"] < small["max_batch_size"] / 2, (small["max_batch_size"], large["max_batch_size"])

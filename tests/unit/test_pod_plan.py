@@ -44,15 +44,16 @@ def test_max_batch_size_auto_starts_at_one_and_makes_room_for_the_largest_batch(
 
 
 def test_several_models_each_have_their_queue_bound_inside_the_pods() -> None:
-    """Each model's bound is its own batches' (within max_queue_depth); the pod's is theirs together, or
-    max_queue_depth; the slots make room for every model's largest queue."""
+    """Each model's bound is its own batches', or max_queue_depth when the operator sets one (as with one model);
+    the pod's is theirs together, or max_queue_depth; the slots make room for every model's largest queue."""
     plan = plan_pod(Settings(max_queue_depth=0), machine(cpus=2), [8, "auto", 2])
     per_batch = plan.workers * pod.QUEUED_BATCHES_PER_WORKER
     assert plan.largest_queue == (8 + pod.AUTO_BATCH_CAP + 2) * per_batch
     assert [plan.model_queue_bound(size) for size in (8, 2)] == [8 * per_batch, 2 * per_batch]
     assert plan.queue_bound([8, 2]) == 10 * per_batch
     bounded = plan_pod(Settings(max_queue_depth=20), machine(cpus=2), [8, 2])
-    assert (bounded.queue_bound([8, 2]), bounded.model_queue_bound(8), bounded.model_queue_bound(2)) == (20, 20, 16)
+    assert (bounded.queue_bound([8, 2]), bounded.model_queue_bound(8), bounded.model_queue_bound(2)) == (20, 20, 20)
+    assert plan_pod(Settings(max_queue_depth=32), machine(cpus=2), [1]).model_queue_bound(1) == 32  # not 1 x 2 x 4
 
 
 def test_workers_per_device_auto_is_one_per_core_on_a_cpu_and_from_the_probe_on_a_gpu() -> None:

@@ -9,6 +9,7 @@ module without weights and adopts the shared tensors as its parameters and buffe
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import pickle
@@ -151,7 +152,8 @@ def share_on_cpu(model: torch.nn.Module, directory: Path) -> SharedWeights:
             return SharedWeights(nbytes, path=path)
         reason = f"the weights ({nbytes >> 20} MiB) do not fit in half of {directory}'s free {free >> 20} MiB"
     except OSError as exc:
-        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a partial file goes; there may be no folder to hold one
+            path.unlink(missing_ok=True)
         reason = f"cannot write the shared weights to {directory}: {exc}"
     log.warning("%s: each worker loads its own copy", reason)
     return SharedWeights(nbytes, reason=reason)

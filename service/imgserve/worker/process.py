@@ -75,6 +75,12 @@ def run(spec: WorkerSpec, index: int, device: str, control: Connection) -> None:
         sys.exit(1)
     heap.hold_freed_memory()  # after loading: what a private load freed went back to the system
     spec.state.worker_ready(index)
+    log.info(
+        "worker ready on %s (%d torch threads, %d while other requests are in flight): %d model(s)",
+        device,
+        *spec.plan.torch_threads,
+        len(worker.runners),
+    )
     gatherer = Gatherer(spec.requests, spec.state, index)
     serve(worker, gatherer, spec.answers, Control(worker, control))
 

@@ -88,7 +88,8 @@ class Worker:
             self.state.models.measure(model, measured)
         self.runners[model] = runner
         self.state.models.hold(self.index, model, HELD)
-        log.info("%s set up on %s: %s", served.name, device, _described(measured))
+        route = "shared" if weights.shared else "private"
+        log.info("%s set up on %s (weights %s): %s", served.name, device, route, _described(measured))
 
     def drop(self, model: int) -> None:
         """Let model `model` go: its API and buffers, and the memory they held."""
