@@ -14,8 +14,10 @@ BUILTIN_MODEL = "builtin:denoiser"
 MAX_CPU_WORKERS = 4
 MAX_GPU_WORKERS = 4
 GPU_BUSY_GOAL = 0.9  # workers_per_device auto on a GPU: the share of time the GPU should have work
-MAX_FRONT_ENDS = 4
 CPU_FRONT_ENDS = 2  # api_servers auto on a CPU (at most one per core)
+# api_servers auto on a GPU where the device decodes the uploads: this share of the cores the workers leave (the rest
+# of a front end's work per upload is about half of it with a 500x375 JPEG: docs/architecture.md, "The front end").
+DEVICE_DECODE_FRONT_END_SHARE = 0.5
 # torchvision's ImageNet weight transforms (ImageClassification preset): what --preprocess imagenet sets.
 PRESETS: dict[str, dict[str, object]] = {
     "imagenet": {
@@ -55,7 +57,7 @@ class Settings(BaseSettings):
         "auto",
         description=f"HTTP front-end processes (they share the port); auto = on a CPU {CPU_FRONT_ENDS} (at most one "
         "per core: one event loop is what limits a cheap model), on a GPU the cores the inference workers leave "
-        f"free, at least 1, at most {MAX_FRONT_ENDS}.",
+        f"free ({DEVICE_DECODE_FRONT_END_SHARE:.0%} of them where the device decodes the uploads), at least 1.",
     )
 
     # What it serves.

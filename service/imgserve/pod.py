@@ -16,7 +16,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from imgserve.config import CPU_FRONT_ENDS, GPU_BUSY_GOAL, MAX_CPU_WORKERS, MAX_FRONT_ENDS, MAX_GPU_WORKERS, Settings
+from imgserve.config import (
+    CPU_FRONT_ENDS,
+    DEVICE_DECODE_FRONT_END_SHARE,
+    GPU_BUSY_GOAL,
+    MAX_CPU_WORKERS,
+    MAX_GPU_WORKERS,
+    Settings,
+)
 
 AUTO_BATCH_CAP = 256  # the largest batch max_batch_size auto may choose
 QUEUED_BATCHES_PER_WORKER = 4  # max_queue_depth 0: this many full batches per worker may wait
@@ -66,6 +73,7 @@ class PodPlan:
     workers_per_device_why: str
     workers: int
     front_ends: int
+    decode_on_device: bool  # the served API decodes its uploads on the device: the front ends need fewer cores
     codec_threads_per_front_end: int
     torch_threads: TorchThreads
     batch_size: int  # the workers' first batch size: max_batch_size, or 1 until `auto` is measured
@@ -89,12 +97,13 @@ class PodPlan:
         return plan
 
 
-def plan_pod(settings: Settings, machine: Machine) -> PodPlan:
-    """The pod for these settings on this machine."""
+def plan_pod(settings: Settings, machine: Machine, decode_on_device: bool = False) -> PodPlan:
+    """The pod for these settings on this machine, for an API that decodes its uploads in the front ends, or on the
+    device (`decode_on_device`)."""
     cuda = machine.device_type == "cuda"
     workers_per_device, why = _workers_per_device(settings, machine)
     workers = machine.devices * workers_per_device
-    front_ends = _front_ends(settings, machine, workers_per_device)
+    front_ends = _front_ends(settings, machine, workers, decode_on_device)
     auto_batch = settings.max_batch_size == "auto"
     batch_size = 1 if auto_batch else int(settings.max_batch_size)
     largest_batch = AUTO_BATCH_CAP if auto_batch else batch_size
@@ -110,6 +119,7 @@ def plan_pod(settings: Settings, machine: Machine) -> PodPlan:
         workers_per_device_why=why,
         workers=workers,
         front_ends=front_ends,
+        decode_on_device=decode_on_device,
         codec_threads_per_front_end=max(1, machine.cpus // front_ends),
         torch_threads=_torch_threads(settings, machine, workers),
         batch_size=batch_size,
@@ -154,14 +164,17 @@ def _workers_per_device(settings: Settings, machine: Machine) -> tuple[int, str]
     )
 
 
-def _front_ends(settings: Settings, machine: Machine, workers_per_device: int) -> int:
-    """HTTP front ends: on a GPU the cores the workers leave free. On a CPU the workers share the cores with them,
-    and one front end's event loop caps a cheap model: CPU_FRONT_ENDS, at most one per core."""
+def _front_ends(settings: Settings, machine: Machine, workers: int, decode_on_device: bool) -> int:
+    """HTTP front ends: on a GPU every core the workers leave free (reading, decoding and resizing uploads is what
+    feeds the GPU), or DEVICE_DECODE_FRONT_END_SHARE of them where the device decodes the uploads. On a CPU the
+    workers share the cores with them, and one front end's event loop caps a cheap model: CPU_FRONT_ENDS, at most one
+    per core."""
     if settings.api_servers != "auto":
         return settings.api_servers
     if machine.device_type != "cuda":
         return min(machine.cpus, CPU_FRONT_ENDS)
-    return max(1, min(machine.cpus - workers_per_device, MAX_FRONT_ENDS))
+    free = machine.cpus - workers
+    return max(1, math.ceil(free * DEVICE_DECODE_FRONT_END_SHARE) if decode_on_device else free)
 
 
 def _torch_threads(settings: Settings, machine: Machine, workers: int) -> TorchThreads:
