@@ -103,20 +103,22 @@ class Request:
         """The request's image as uint8 HxWx3 RGB pixels, decoded strictly under the pixel limit (`open_image`)."""
         return np.asarray(self.open_image(name))
 
-    def open_image(self, name: str = "file") -> Image.Image:
+    def open_image(self, name: str = "file", at_least: int | None = None) -> Image.Image:
         """The request's image as an RGB Pillow image: over HTTP the multipart file `name` or a raw image body;
         over the Open Inference Protocol the `image` input (encoded, BYTES) or the `pixels` input (UINT8 HxWx3).
-        Whatever the bytes, a 4xx ApiError rather than a crash (400 corrupt, 413 over the limit, 415, 422)."""
+        Whatever the bytes, a 4xx ApiError rather than a crash (400 corrupt, 413 over the limit, 415, 422). With
+        `at_least` (for a caller that scales the image down), a JPEG may be decoded smaller, each side still at least
+        that: `codec.full_size(image)` is then the upload's own size."""
         if self.protocol == "v2":
-            return self._input_image()
+            return self._input_image(at_least)
         if self.files or self.content_type in ("multipart/form-data", "application/x-www-form-urlencoded"):
             upload = self.file(name)
             if upload is None:
                 fields = ", ".join([*(f.field for f in self.files), *self.form]) or "none"
                 raise ApiError(422, "missing_file", f"expected a multipart file field named {name!r} (got: {fields})")
-            return codec.open_image(upload.data, self.max_image_pixels)
+            return codec.open_image(upload.data, self.max_image_pixels, at_least)
         if self.content_type.startswith(IMAGE_TYPES):
-            return codec.open_image(self.body, self.max_image_pixels)
+            return codec.open_image(self.body, self.max_image_pixels, at_least)
         raise ApiError(
             415,
             "unsupported_media_type",
@@ -124,14 +126,14 @@ class Request:
             f"{name!r} field or the raw image with an image/* Content-Type",
         )
 
-    def _input_image(self) -> Image.Image:
+    def _input_image(self, at_least: int | None) -> Image.Image:
         if "image" in self.inputs and "pixels" in self.inputs:
             raise ApiError(400, "bad_request", "send one input, 'image' (BYTES) or 'pixels' (UINT8), not both")
         if "image" in self.inputs:
             elements = self.inputs["image"].reshape(-1)
             if elements.size != 1 or not isinstance(elements[0], bytes):
                 raise ApiError(400, "bad_request", "input 'image' is BYTES [N, 1]: one encoded image per item")
-            return codec.open_image(elements[0], self.max_image_pixels)
+            return codec.open_image(elements[0], self.max_image_pixels, at_least)
         if "pixels" in self.inputs:
             return codec.from_pixels(self.inputs["pixels"], self.max_image_pixels)
         given = ", ".join(repr(name[:100]) for name in self.inputs) or "none"

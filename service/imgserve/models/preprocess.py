@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from imgserve import codec
 from imgserve.config import Settings
 
 FILTERS = {
@@ -51,10 +52,18 @@ class Preprocess:
     def from_settings(cls, settings: Settings) -> Preprocess:
         return cls(settings.resize_size, settings.input_size, settings.interpolation)
 
+    @property
+    def least_side(self) -> int | None:
+        """How small the decoded image's sides may be for this resize (None: it is not resized): what
+        `codec.open_image` may decode a JPEG down to."""
+        return self.resize_size or self.input_size
+
     def __call__(self, image: Image.Image) -> Prepared:
-        original = image.size
+        """The model's input from the decoded upload (which may have been decoded at a reduced scale: the geometry
+        is the upload's own)."""
+        original = codec.full_size(image)
         resized = self.resized_size(*original)
-        if resized != original:
+        if resized != image.size:
             image = image.resize(resized, FILTERS[self.interpolation])
         crop = self.crop_box(*resized)
         if crop[2:] != resized:
