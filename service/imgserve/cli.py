@@ -18,12 +18,13 @@ from imgserve.handoff.directory import ServerDirectory
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    """One --flag per setting (--x/--no-x for booleans); unset ones fall back to IMGSERVE_<NAME>, then the default.
+    """One --flag per setting (--x/--no-x for booleans, and for a boolean whose unset value means "decided for the
+    device"); unset ones fall back to IMGSERVE_<NAME>, then the default.
     A description is help text as written: its `%` is escaped, since argparse %-formats help."""
     for name, field in Settings.model_fields.items():
         flag = f"--{name.replace('_', '-')}"
         text = (field.description or "").replace("%", "%%")
-        if field.annotation is bool:
+        if field.annotation in (bool, bool | None):
             parser.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=text)
         else:
             parser.add_argument(flag, dest=name, default=None, help=text)

@@ -18,6 +18,8 @@ CPU_FRONT_ENDS = 2  # api_servers auto on a CPU (at most one per core)
 # api_servers auto on a GPU where the device decodes the uploads: this share of the cores the workers leave (the rest
 # of a front end's work per upload is about half of it with a 500x375 JPEG: docs/architecture.md, "The front end").
 DEVICE_DECODE_FRONT_END_SHARE = 0.5
+COMPILED_BY_DEFAULT = {"cpu": True, "cuda": False}  # compile unset: whether the model runs compiled, by device kind
+COMPILE_DEFAULTS = ", ".join(f"{'on' if on else 'off'} on {kind}" for kind, on in COMPILED_BY_DEFAULT.items())
 # torchvision's ImageNet weight transforms (ImageClassification preset): what --preprocess imagenet sets.
 PRESETS: dict[str, dict[str, object]] = {
     "imagenet": {
@@ -152,6 +154,27 @@ class Settings(BaseSettings):
         le=1,
         description="Share of free device memory (RAM on CPU) that the batches of all the device's workers together "
         "may use (on a CPU less the request slots' room).",
+    )
+
+    # Issue 39's settings of the built-in model, kept in one block to move into the model's own settings later.
+
+    # Compiled models.
+    compile: bool | None = Field(
+        None,
+        description="Run the model through torch.compile, compiled in each inference worker for every batch size up "
+        f"to max_batch_size before the server is ready, so no request waits for a compile; unset = {COMPILE_DEFAULTS} "
+        "(the faster one as measured on each). TorchScript and AOTInductor packages are not compiled again.",
+    )
+    compile_cache_dir: str | None = Field(
+        None,
+        description="Directory that keeps the compiled code, so a restart with the same model, device and torch "
+        "reuses it: made (mode 0700) if missing, refused if another user can write it; unset = "
+        "$XDG_CACHE_HOME/imgserve/compiled (~/.cache/imgserve/compiled).",
+    )
+    trust_native_code: bool = Field(
+        False,
+        description="Serve an AOTInductor package (.pt2 from torch._inductor.aoti_compile_and_package): native code "
+        "compiled for one device kind, which runs as the server (only from authors you trust!).",
     )
 
     # Admission and deadlines.

@@ -85,21 +85,35 @@ class ModelAPI(ImageAPI):
 
     # In each inference worker.
     def setup(self, device: str) -> None:
-        """Load the model (its weights shared among the device's workers), warm it up on a probe image, and decide
-        from that output what the model answers (image, classify, segment or detect); the labels must name every
-        class."""
+        """Load the model (its weights shared among the device's workers), warm it up on a probe image (compiled:
+        at every batch size it can run), and decide from that output what the model answers (image, classify,
+        segment or detect); the labels must name every class."""
         model = self.load_model(device)
         self.runner = ModelRunner.for_settings(model, torch.device(device), self.settings)
         side = self.probe_side
         probe = torch.randint(0, 256, (1, side, side, 3), dtype=torch.uint8)
         try:
-            warmup = self.runner.first_forward(probe)
+            warmup = self.runner.warm_up(probe, self.batch_sizes(), self.thread_counts(device))
         except Exception as exc:
             failure = f"the model failed warm-up on {device} with a {side}x{side} image: {type(exc).__name__}: {exc}"
             raise ModelLoadError(failure) from None
         self.worker_kind = outputs.decide(warmup, self.settings.task)
         outputs.check_labels(list(self.labels), outputs.class_count(self.worker_kind, warmup), self.settings.labels)
         self.kinds.set_task(self.worker_kind)
+
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes a compiled model is warmed up on: every size up to max_batch_size (torch compiles a graph
+        for a batch of one and one for larger batches, but a kernel choice of its own can split those further). With
+        max_batch_size auto, which is measured after this, 1 and 2."""
+        largest = self.settings.max_batch_size
+        return list(range(1, (2 if largest == "auto" else largest) + 1))
+
+    @staticmethod
+    def thread_counts(device: str) -> list[int]:
+        """The torch thread counts a compiled model is warmed up on: the worker's, and on a CPU half of it too, which
+        the worker runs its batches on while other requests are in flight (pod.py's rule)."""
+        threads = torch.get_num_threads()
+        return [threads] if device != "cpu" else sorted({threads, max(1, threads // 2)}, reverse=True)
 
     def batch(self, inputs: list[Any]) -> Batch:
         return Batch(self.runner.host_batch(inputs), [(image.shape[0], image.shape[1]) for image in inputs])
@@ -127,7 +141,8 @@ class ModelAPI(ImageAPI):
         upload stay in the request's context for the answer."""
         if request.protocol == "http":
             request.context["params"] = PredictParams.parse(request.query)
-        pixels, request.context["geometry"] = self.preprocess(request.open_image())
+        image = request.open_image(at_least=self.preprocess.least_side)  # a JPEG decoded no larger than needed
+        pixels, request.context["geometry"] = self.preprocess(image)
         return pixels
 
     def encode_response(self, output: Any, request: Request) -> Response | dict[str, Any]:

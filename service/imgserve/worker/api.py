@@ -74,7 +74,7 @@ class WorkerAPI(ls.LitAPI):
         self.slots = SlotFiles(plan.slot_directory)
         torch.set_num_threads(plan.torch_threads.alone)  # pod.py decided the counts
         if isinstance(api, ImageAPI):
-            api.model_loader = shared_model_loader(api, plan.weights, self.settings.trust_pickle)
+            api.model_loader = shared_model_loader(api, plan.weights, self.settings)
             self.hooks: ImageHooks | LitServeHooks = ImageHooks(api)
         else:
             self.hooks = LitServeHooks(api)
@@ -204,14 +204,17 @@ class WorkerAPI(ls.LitAPI):
         torch.set_num_threads(self.plan.torch_threads.alone if alone else self.plan.torch_threads.busy)
 
 
-def shared_model_loader(api: ImageAPI, weights: SharedWeights, trust_pickle: bool) -> Callable[[str], torch.nn.Module]:
+def shared_model_loader(api: ImageAPI, weights: SharedWeights, settings: Settings) -> Callable[[str], torch.nn.Module]:
     """What `ImageAPI.load_model` calls in a worker: the API's model file, built around the device's shared weights
-    (a private copy when they are not shared)."""
+    (a private copy when they are not shared), loaded as far as the settings' trust flags allow."""
 
     def load(device: str) -> torch.nn.Module:
         if api.model is None:
             raise ModelLoadError(f"{type(api).__name__}.load_model() needs the class attribute `model` (a file path)")
         shared = weights.tensors(device) if weights.shared else None
-        return load_model(api.model, api.model_factory, trust_pickle, shared).to(device)
+        model = load_model(
+            api.model, api.model_factory, settings.trust_pickle, shared, trust_native_code=settings.trust_native_code
+        )
+        return model.to(device)
 
     return load

@@ -1,0 +1,108 @@
+"""torch.compile for the built-in API: the model compiled in each inference worker before the server is ready, for
+every batch size the worker can run, with the compiled code kept in a private directory, so a restart with the same
+model, device and torch reuses it instead of compiling again.
+
+One compile serves many shapes. The batch dimension is marked dynamic (and the height and width too, where the model
+takes any size), so torch compiles one graph for a batch of one (it specializes sizes 0 and 1) and one for every
+larger batch; `warm_up` runs both (and the largest batch) before the worker reports ready. A graph compiled after
+that is one a request waited for: it is counted (`late_graphs`) and logged.
+
+Torch runs the code it finds in the cache directory, so that directory must be this user's, writable by no other
+(`cache_directory`). Compiled CPU kernels take their thread count from the worker at run time
+(`cpp.dynamic_threads`), so the worker's switch between its alone and under-load threads holds for them too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import stat
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from imgserve.config import COMPILED_BY_DEFAULT
+from imgserve.models.loader import ModelLoadError
+from imgserve.models.native import NativeModule
+
+log = logging.getLogger(__name__)
+CACHE_FOLDER = Path("imgserve", "compiled")  # under $XDG_CACHE_HOME (~/.cache) when no directory is set
+SHARED_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
+def wanted(setting: bool | None, device_type: str, model: torch.nn.Module) -> bool:
+    """Whether the model runs compiled: --compile / --no-compile, else the device kind's default. A TorchScript
+    module or an AOTInductor package never is (torch.compile cannot trace the one, the other is compiled already); an
+    explicit --compile for one is refused."""
+    kind = "a TorchScript model" if isinstance(model, torch.jit.ScriptModule) else None
+    kind = "an AOTInductor package" if isinstance(model, NativeModule) else kind
+    if kind and setting:
+        raise ModelLoadError(f"--compile does not apply to {kind}: serve it without --compile, or a torch.export .pt2")
+    return not kind and (COMPILED_BY_DEFAULT[device_type] if setting is None else setting)
+
+
+def cache_directory(setting: str | None) -> Path:
+    """Where compiled code is kept: `setting`, else $XDG_CACHE_HOME/imgserve/compiled. Made (mode 0700) if missing;
+    refused unless it is a directory of this user's that no other user can write."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    path = Path(setting) if setting else base / CACHE_FOLDER
+    problem = f"--compile-cache-dir {path} is not a directory of this user's that only it can write"
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        facts = path.lstat()
+    except OSError as exc:
+        raise ModelLoadError(f"{problem} ({exc})") from None
+    if not stat.S_ISDIR(facts.st_mode) or facts.st_uid != os.getuid() or facts.st_mode & SHARED_WRITE:
+        raise ModelLoadError(f"{problem}: torch would run the compiled code another user put there")
+    return path
+
+
+def _thread_lock_for_tqdm() -> None:
+    """torch.fx builds a (hidden) tqdm progress bar while compiling, and tqdm's first bar makes a multiprocessing
+    lock: a semaphore the main process reports as leaked, in a warning after imgserve's last line, whenever a worker
+    is stopped. A thread lock does as well in a worker."""
+    with contextlib.suppress(ImportError):
+        import tqdm
+
+        tqdm.tqdm.set_lock(threading.RLock())
+
+
+def graphs_compiled() -> int:
+    """Graphs torch.compile has compiled in this process (dynamo's own counter)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+class CompiledModel:
+    """A model under torch.compile, its code cached in `cache`; `any_size`: the height and width vary too."""
+
+    def __init__(self, model: torch.nn.Module, cache: Path, any_size: bool) -> None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # read when the first graph is compiled
+        torch._inductor.config.cpp.dynamic_threads = True
+        _thread_lock_for_tqdm()
+        self.function: Callable[[torch.Tensor], Any] = torch.compile(model)
+        self.cache, self.dims = cache, (0, 2, 3) if any_size else (0,)
+        self.late_graphs = 0
+        self._ready = False
+
+    def __call__(self, batch: torch.Tensor) -> Any:
+        for dim in self.dims:
+            torch._dynamo.maybe_mark_dynamic(batch, dim)
+        before = graphs_compiled()
+        output = self.function(batch)
+        if self._ready and graphs_compiled() > before:
+            self.late_graphs += graphs_compiled() - before
+            log.warning("the model was compiled again for a batch of shape %s: that batch waited", tuple(batch.shape))
+        return output
+
+    def ready(self) -> None:
+        """Warm-up is over: from now on a new graph is one a request waited for."""
+        self._ready = True
+
+    def describe(self) -> str:
+        """How many graphs were compiled, and how many of them the cache directory already held."""
+        found = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+        return f"{graphs_compiled()} graphs, {found} of them from the cache in {self.cache}"
