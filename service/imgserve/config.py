@@ -18,8 +18,10 @@ CPU_FRONT_ENDS = 2  # api_servers auto on a CPU (at most one per core)
 # api_servers auto on a GPU where the device decodes the uploads: this share of the cores the workers leave (the rest
 # of a front end's work per upload is about half of it with a 500x375 JPEG: docs/architecture.md, "The front end").
 DEVICE_DECODE_FRONT_END_SHARE = 0.5
-COMPILED_BY_DEFAULT = {"cpu": True, "cuda": False}  # compile unset: whether the model runs compiled, by device kind
-COMPILE_DEFAULTS = ", ".join(f"{'on' if on else 'off'} on {kind}" for kind, on in COMPILED_BY_DEFAULT.items())
+# compile unset: whether a model of a fixed input size runs compiled, by device kind (the faster, as measured:
+# docs/benchmarks.md; on cuda to be measured by loadtests.gpu_check)
+COMPILED_BY_DEFAULT = {"cpu": True, "cuda": False}
+COMPILE_DEFAULTS = " and ".join(kind.upper() for kind, on in COMPILED_BY_DEFAULT.items() if on) or "no device"
 # torchvision's ImageNet weight transforms (ImageClassification preset): what --preprocess imagenet sets.
 PRESETS: dict[str, dict[str, object]] = {
     "imagenet": {
@@ -162,8 +164,10 @@ class Settings(BaseSettings):
     compile: bool | None = Field(
         None,
         description="Run the model through torch.compile, compiled in each inference worker for every batch size up "
-        f"to max_batch_size before the server is ready, so no request waits for a compile; unset = {COMPILE_DEFAULTS} "
-        "(the faster one as measured on each). TorchScript and AOTInductor packages are not compiled again.",
+        "to max_batch_size before the server is ready, so no request waits for a compile; unset = on for a model of "
+        f"a fixed --input-size on a {COMPILE_DEFAULTS} (where it was measured faster), else off. A model that takes "
+        "any size may be compiled again for a new size, on a request. TorchScript and AOTInductor packages are not "
+        "compiled again.",
     )
     compile_cache_dir: str | None = Field(
         None,

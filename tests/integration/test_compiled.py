@@ -117,13 +117,14 @@ def test_every_batch_size_and_thread_count_is_compiled_before_the_model_is_ready
 
 
 def test_a_restart_reuses_the_compiled_code_and_answers_as_the_eager_server(models, tmp_path: Path) -> None:
-    """The first compiled server compiles (its log counts the graphs the cache already held: not all of them), a
-    second one with the same cache directory finds every graph there; both answer as the eager server does."""
+    """On a CPU a model of a fixed input size is compiled by default: the first compiled server compiles (its log
+    counts the graphs the cache already held: not all of them), a second one with the same cache directory finds
+    every graph there; both answer as the eager server does."""
     data = image_bytes(48, 40, seed=3)
     settings = {"model": str(models["export"]), "compile_cache_dir": str(tmp_path / "cache"), "max_batch_size": 4}
     answers, found = [], []
-    for compile_it in ("false", "true", "true"):
-        with served({**settings, "compile": compile_it}, tmp_path) as server:
+    for compile_it in ({"compile": "false"}, {}, {"compile": "true"}):
+        with served({**settings, **compile_it}, tmp_path) as server:
             answers.append(scores(server, data))
             found += [tuple(map(int, match)) for match in CACHED.findall(server.log())]
     assert [index for index, _ in answers[1]] == [index for index, _ in answers[0]] == [i for i, _ in answers[2]]
@@ -195,3 +196,13 @@ def test_without_a_compiler_an_explicit_compile_is_refused(models, tmp_path: Pat
     environment = {**os.environ, "CXX": str(tmp_path / "no-compiler")}
     flags = ["--model", str(models["export"]), "--compile", "--compile-cache-dir", str(tmp_path / "c")]
     assert refusal(*flags, env=environment).startswith("imgserve: the model failed warm-up on cpu"), flags
+
+
+def test_without_a_compiler_the_default_leaves_the_model_eager(models, tmp_path: Path, monkeypatch) -> None:
+    """compile unset on a CPU compiles a fixed-size model where it can; a host without a C++ compiler serves it
+    eagerly, with a warning, instead of not starting."""
+    monkeypatch.setenv("CXX", str(tmp_path / "no-compiler"))
+    with served({"model": str(models["export"]), "compile_cache_dir": str(tmp_path / "c")}, tmp_path) as server:
+        assert len(scores(server, image_bytes(48, 40, seed=5))) > 0
+        assert "torch.compile failed (InductorError: InvalidCxxCompiler" in server.log()
+        assert "running the model eagerly" in server.log()

@@ -34,15 +34,18 @@ CACHE_FOLDER = Path("imgserve", "compiled")  # under $XDG_CACHE_HOME (~/.cache) 
 SHARED_WRITE = stat.S_IWGRP | stat.S_IWOTH
 
 
-def wanted(setting: bool | None, device_type: str, model: torch.nn.Module) -> bool:
-    """Whether the model runs compiled: --compile / --no-compile, else the device kind's default. A TorchScript
+def wanted(setting: bool | None, device_type: str, model: torch.nn.Module, fixed_size: bool) -> bool:
+    """Whether the model runs compiled: --compile / --no-compile, else the device kind's default for a model of a
+    fixed input size (one that takes any size may be compiled again for a new one, on a request). A TorchScript
     module or an AOTInductor package never is (torch.compile cannot trace the one, the other is compiled already); an
     explicit --compile for one is refused."""
     kind = "a TorchScript model" if isinstance(model, torch.jit.ScriptModule) else None
     kind = "an AOTInductor package" if isinstance(model, NativeModule) else kind
     if kind and setting:
         raise ModelLoadError(f"--compile does not apply to {kind}: serve it without --compile, or a torch.export .pt2")
-    return not kind and (COMPILED_BY_DEFAULT[device_type] if setting is None else setting)
+    if setting is None:
+        return not kind and fixed_size and COMPILED_BY_DEFAULT[device_type]
+    return not kind and setting
 
 
 def cache_directory(setting: str | None) -> Path:

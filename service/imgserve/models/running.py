@@ -56,9 +56,10 @@ class ModelRunner:
             mean=settings.mean,
             std=settings.std,
         )
-        if compiled.wanted(settings.compile, device.type, model):
+        fixed_size = settings.input_size is not None
+        if compiled.wanted(settings.compile, device.type, model, fixed_size):
             cache = compiled.cache_directory(settings.compile_cache_dir)
-            runner.call = compiled.CompiledModel(model, cache, any_size=settings.input_size is None)
+            runner.call = compiled.CompiledModel(model, cache, any_size=not fixed_size)
             runner.compile_required = bool(settings.compile)
         return runner
 
