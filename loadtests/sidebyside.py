@@ -20,12 +20,13 @@ import shlex
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from imgserve.testing import free_port, serve_command
-from loadtests.lib.closed_loop import run_closed_loop
+from loadtests.lib.closed_loop import Check, run_closed_loop
 from loadtests.lib.images import SampleImage, sample_images, square_jpegs
 from loadtests.lib.report import machine, publish
 from loadtests.lib.servers import SOURCE, CpuWindow, running_server
@@ -36,21 +37,25 @@ REPO = SOURCE.parent
 
 @dataclass(frozen=True)
 class Contender:
-    """A server: the source tree it runs and its settings."""
+    """A server: the source tree it runs, its settings, and how long it may take to be ready."""
 
     name: str
     source: Path
     settings: dict[str, str]
+    ready_timeout_s: float = 180
 
 
 @dataclass(frozen=True)
 class Cell:
-    """A load: images and users, against some of the contenders."""
+    """A load: images and users, against some of the contenders; how its answers are checked (default: an image of
+    the upload's size) and how long it warms up."""
 
     name: str
     images: tuple[SampleImage, ...]
     users: int
     contenders: tuple[str, ...]
+    check: Check | None = None
+    warmup_s: float = 2.0
 
 
 @dataclass
@@ -94,24 +99,36 @@ def turns(servers: list[Contender], index: int) -> list[Contender]:
     return servers if index % 2 == 0 else servers[::-1]
 
 
-def run_round(contender: Contender, plan: list[Cell], seconds: float, work: Path, results: Results) -> None:
-    """A fresh server of `contender`, every cell of the plan it is in."""
+def run_round(contender: Contender, plan: list[Cell], seconds: float, work: Path, results: Results) -> float:
+    """A fresh server of `contender`, every cell of the plan it is in; returns the seconds it took to be ready."""
     port = free_port()
     env = {f"IMGSERVE_{key.upper()}": value for key, value in contender.settings.items()}
     env["PYTHONPATH"] = str(REPO)  # loadtests.lib.toy_apis for the user API
     log = work / f"{contender.name.replace(' ', '-')}-{port}.log"
-    with running_server(serve_command(port), port, log, "/health/ready", env, source=contender.source) as server:
+    started = time.monotonic()
+    command = serve_command(port)
+    ready = contender.ready_timeout_s
+    with running_server(command, port, log, "/health/ready", env, ready, contender.source) as server:
+        ready_s = time.monotonic() - started
         for cell in plan:
             if contender.name not in cell.contenders:
                 continue
-            warmup = 2.0
+            warmup = cell.warmup_s
             with CpuWindow(server, warmup, seconds) as window:
-                result = run_closed_loop(f"{server.url}/predict", cell.users, seconds, warmup, images=cell.images)
+                result = run_closed_loop(
+                    f"{server.url}/predict", cell.users, seconds, warmup, images=cell.images, check=cell.check
+                )
+            print(
+                f"  {contender.name}, {cell.name}: {result.rps:.1f}/s, {len(result.answered)} answered, "
+                f"{result.shed} shed, {result.failed} failed",
+                flush=True,
+            )
             if result.failed:
                 raise RuntimeError(f"{contender.name}, {cell.name}: {result.errors()}")
             cpu_ms = 1000 * window.server_cores * seconds / max(len(result.answered), 1)
             p50, p99 = result.latency_ms(0.5) or 0.0, result.latency_ms(0.99) or 0.0
             results.add((cell.name, contender.name), result.rps, p50, p99, cpu_ms)
+    return ready_s
 
 
 def report(results: Results, plan: list[Cell]) -> str:
@@ -129,7 +146,8 @@ def report(results: Results, plan: list[Cell]) -> str:
             )
         if len(cell.contenders) == 2:
             first, second = (statistics.median(results.rps[(cell.name, name)]) for name in cell.contenders)
-            lines.append(f"| | {cell.contenders[1]} / {cell.contenders[0]} | | {second / first:.3f}x | | | |")
+            ratio = f"{second / first:.3f}x" if first else "-"
+            lines.append(f"| | {cell.contenders[1]} / {cell.contenders[0]} | | {ratio} | | | |")
     return "\n".join(lines)
 
 
