@@ -67,9 +67,9 @@ def full_size(image: Image.Image) -> tuple[int, int]:
 def _reduce(image: Image.Image, at_least: int) -> tuple[int, int] | None:
     """Have a JPEG decoded at the smallest DCT scale whose sides are both at least `at_least`; the full upright size
     when that is smaller than the image, else None."""
-    if image.format not in ("JPEG", "MPO"):
-        return None
     width, height = image.size
+    if image.format not in ("JPEG", "MPO") or min(width, height) < 2 * at_least:  # no smaller scale would do
+        return None
     image.draft(None, (at_least, at_least))
     if image.size == (width, height):
         return None
