@@ -3,9 +3,10 @@ every batch size the worker can run, with the compiled code kept in a private di
 model, device and torch reuses it instead of compiling again.
 
 One compile serves many shapes. The batch dimension is marked dynamic (and the height and width too, where the model
-takes any size), so torch compiles one graph for a batch of one (it specializes sizes 0 and 1) and one for every
-larger batch; `warm_up` runs both (and the largest batch) before the worker reports ready. A graph compiled after
-that is one a request waited for: it is counted (`late_graphs`) and logged.
+takes any size), so torch compiles one graph for a batch of one (it specializes sizes 0 and 1) and one for larger
+batches, which a kernel choice of its own may split further; torch also guards each graph on the thread count it
+was compiled at. `warm_up` runs every batch size on each thread count the worker uses before it reports ready. A
+graph compiled after that is one a request waited for: it is counted (`late_graphs`) and logged.
 
 Torch runs the code it finds in the cache directory, so that directory must be this user's, writable by no other
 (`cache_directory`). Compiled CPU kernels take their thread count from the worker at run time
@@ -101,8 +102,19 @@ class CompiledModel:
             log.warning("the model was compiled again for a batch of shape %s: that batch waited", tuple(batch.shape))
         return output
 
-    def ready(self) -> None:
-        """Warm-up is over: from now on a new graph is one a request waited for."""
+    def warm_up(self, run: Callable[[int], object], sizes: list[int], threads: list[int]) -> None:
+        """Compile for every batch of `sizes` on every count of `threads` (torch guards a graph on the thread count),
+        by `run`ning batches (the caller ran a batch of one already, on the first count): each size on the first
+        count, then on the others only the sizes that opened a graph (the rest pass its guards). From then on a new
+        graph is one a request waited for."""
+        opened = [1]
+        for index, count in enumerate(threads):
+            torch.set_num_threads(count)
+            for size in sizes if index == 0 else opened:
+                before = graphs_compiled()
+                run(size)
+                if index == 0 and graphs_compiled() > before and size not in opened:
+                    opened.append(size)
         self._ready = True
 
     def describe(self) -> str:

@@ -104,19 +104,16 @@ class ModelRunner:
                 return self.call(inputs)
 
     def warm_up(self, probe: torch.Tensor, sizes: list[int], threads: list[int]) -> Any:
-        """The first call, on a uint8 1xHxWx3 `probe` (`first_forward`); a compiled model then runs a batch of each
-        of `sizes` of it on each count of `threads` (torch compiles again for a new thread count), so that no request
-        waits for a compile. Where the model was compiled only by default, a compile that fails (a host without a C++
+        """The first call, on a uint8 1xHxWx3 `probe` (`first_forward`); a compiled model is then warmed up on
+        batches of `sizes` of it on each count of `threads` (`CompiledModel.warm_up`), so that no request waits for a
+        compile. Where the model was compiled only by default, a compile that fails (a host without a C++
         compiler, a model torch cannot trace) leaves it eager, with a warning. Returns the first call's output."""
         if not isinstance(self.call, compiled.CompiledModel):
             return self.first_forward(probe)
         started, layout, own_threads = time.perf_counter(), self.channels_last, torch.get_num_threads()
         try:
             output = self.first_forward(probe)
-            for count in threads:
-                torch.set_num_threads(count)
-                for size in sizes:
-                    self.forward(probe.expand(size, -1, -1, -1))
+            self.call.warm_up(lambda size: self.forward(probe.expand(size, -1, -1, -1)), sizes, threads)
         except Exception as exc:
             if self.compile_required:
                 raise
@@ -127,7 +124,6 @@ class ModelRunner:
             return self.first_forward(probe)
         finally:
             torch.set_num_threads(own_threads)
-        self.call.ready()
         log.info(
             "model compiled for batches of 1 to %d on %s threads in %.1f s: %s",
             max(sizes),
