@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from imgserve.testing import free_port, serve_command
 from loadtests.lib.closed_loop import Check, run_closed_loop
@@ -99,8 +100,15 @@ def turns(servers: list[Contender], index: int) -> list[Contender]:
     return servers if index % 2 == 0 else servers[::-1]
 
 
-def run_round(contender: Contender, plan: list[Cell], seconds: float, work: Path, results: Results) -> float:
-    """A fresh server of `contender`, every cell of the plan it is in; returns the seconds it took to be ready."""
+class Started(NamedTuple):
+    """How a contender's server started: the seconds until it was ready, and its log."""
+
+    ready_s: float
+    log: str
+
+
+def run_round(contender: Contender, plan: list[Cell], seconds: float, work: Path, results: Results) -> Started:
+    """A fresh server of `contender`, every cell of the plan it is in; how it started."""
     port = free_port()
     env = {f"IMGSERVE_{key.upper()}": value for key, value in contender.settings.items()}
     env["PYTHONPATH"] = str(REPO)  # loadtests.lib.toy_apis for the user API
@@ -128,7 +136,7 @@ def run_round(contender: Contender, plan: list[Cell], seconds: float, work: Path
             cpu_ms = 1000 * window.server_cores * seconds / max(len(result.answered), 1)
             p50, p99 = result.latency_ms(0.5) or 0.0, result.latency_ms(0.99) or 0.0
             results.add((cell.name, contender.name), result.rps, p50, p99, cpu_ms)
-    return ready_s
+    return Started(ready_s, server.log())
 
 
 def report(results: Results, plan: list[Cell]) -> str:

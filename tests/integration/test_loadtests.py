@@ -316,7 +316,20 @@ def test_resnet50_holds_the_compiled_server_to_1_2x_the_eager_one(compiled: floa
     alone = resnet50.Alone(
         {resnet50.EAGER: 14.0, resnet50.COMPILED: 18.0}, {resnet50.EAGER: 1.0, resnet50.COMPILED: 16.0}
     )
-    report = resnet50.render(alone, results, plan, {resnet50.EAGER: [9.0], resnet50.COMPILED: [90.0, 12.0]}, 2)
+    compiled_log = (
+        "x model compiled for batches of 1 to 8 on 2 and 1 threads in {} s: 4 graphs, {} of them from the cache"
+    )
+    starts = {
+        resnet50.EAGER: [sidebyside.Started(9.0, "")],
+        resnet50.COMPILED: [
+            sidebyside.Started(90.0, compiled_log.format(80.5, 0) + "\n" + compiled_log.format(81.0, 4)),
+            sidebyside.Started(12.0, compiled_log.format(3.5, 4)),
+        ],
+    }
+    report = resnet50.render(alone, results, plan, starts, 2)
     assert report.count("**met**" if met else "**missed**") == (3 if met else 2)  # the second start: met
     assert "| eager | 14.0 | 1.0 | 28.0 |" in report and "| compiled | 18.0 | 16.0 | 36.0 |" in report
-    assert "compiled, empty cache 90.0 s, the same cache again 12.0 s" in report
+    assert (
+        "compiled, empty cache 90.0 s (its workers' compile, one at a time: 80.5 s (0 of 4 graphs cached) + " in report
+    )
+    assert "the same cache again 12.0 s (3.5 s (4 of 4 graphs cached))." in report

@@ -112,8 +112,9 @@ class ModelRunner:
             return self.first_forward(probe)
         started, layout, own_threads = time.perf_counter(), self.channels_last, torch.get_num_threads()
         try:
-            output = self.first_forward(probe)
-            self.call.warm_up(lambda size: self.forward(probe.expand(size, -1, -1, -1)), sizes, threads)
+            with self.call.compiling():
+                output = self.first_forward(probe)
+                self.call.warm_up(lambda size: self.forward(probe.expand(size, -1, -1, -1)), sizes, threads)
         except Exception as exc:
             if self.compile_required:
                 raise
