@@ -1,23 +1,25 @@
 """The headline model: a ResNet-50 classifying 500x375 JPEG photos, served eager and compiled, against the model alone.
 
-`python -m loadtests.resnet50 [--rounds 2] [--seconds 10] [--quick] --out loadtests/results/resnet50.md`
+`python -m loadtests.resnet50 [--pairs 3] [--seconds 10] [--restarts 2] [--quick] --out loadtests/results/resnet50.md`
 
 - The model alone (loadtests/lib/resnet.py): the exported program on pre-decoded channels-last tensors, on one
   thread at batch 8, eager and compiled (its batch dimension dynamic, as imgserve compiles it), at the start of the
   run and again at its end (the higher is kept). A pod runs one single-thread worker per core, so its limit is that
   rate times its workers.
-- Served: `imgserve serve --model resnet50.pt2 --preprocess imagenet`, with --no-compile and with --compile, fresh
-  servers in turns (reversed every other round), each fed the 500x375 JPEGs by 1, 16 and 64 closed-loop clients:
-  answers/s, p50 and p99, and the CPU of the server's processes per answer.
-- Start: the compiled server's time to ready with an empty compile cache (its first round) against the same cache
-  again (its later rounds), and the eager server's.
-Targets: the compiled server >= 1.2x the eager one at 16 and 64 clients (medians of the rounds); its second start
-faster than its first.
+- Served: `imgserve serve --model resnet50.pt2 --preprocess imagenet`, with --no-compile and with --compile, both
+  up at once and loaded in turns, a pair of cells after the other (each pair in the other order), so a shared
+  machine's drift falls on both alike: the 500x375 JPEGs from 1, 16 and 64 closed-loop clients, answers/s, p50 and
+  p99, and the CPU of the loaded server's processes per answer.
+- Start: the time to ready of the eager server, of the compiled one with an empty compile cache, and of fresh
+  compiled servers afterwards, which find the cache filled.
+Targets: the compiled server >= 1.2x the eager one at 16 and 64 clients (medians of the pairs); a start with the
+cache faster than the first.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import re
@@ -27,6 +29,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -35,7 +38,7 @@ from loadtests.lib import resnet
 from loadtests.lib.images import check_scores
 from loadtests.lib.report import machine, publish
 from loadtests.lib.servers import SOURCE
-from loadtests.sidebyside import Cell, Contender, Results, Started, report, run_round, turns
+from loadtests.sidebyside import Cell, Contender, Results, report, run_cell, serving, turns
 
 EAGER, COMPILED = "eager", "compiled"
 USERS = (1, 16, 64)
@@ -96,6 +99,39 @@ def cells(limit_per_s: float) -> list[Cell]:
     ]
 
 
+class Started(NamedTuple):
+    """How a server started: the seconds until it was ready, and its log then."""
+
+    ready_s: float
+    log: str
+
+
+def measure_served(
+    contenders: list[Contender], plan: list[Cell], seconds: float, pairs: int, work: Path
+) -> tuple[Results, dict[str, list[Started]]]:
+    """Both servers up; each cell run `pairs` times on each, in turns; how each started."""
+    results, starts = Results(), {}
+    with contextlib.ExitStack() as stack:
+        running = {}
+        for contender in contenders:
+            server, ready_s = stack.enter_context(serving(contender, work))
+            running[contender.name], starts[contender.name] = server, [Started(ready_s, server.log())]
+        for cell in plan:
+            for index in range(pairs):
+                for name in turns(list(running), index):
+                    run_cell(running[name], name, cell, seconds, results)
+    return results, starts
+
+
+def restarts(contender: Contender, count: int, work: Path) -> list[Started]:
+    """Fresh servers of `contender`, one after the other, each stopped once it is ready."""
+    found = []
+    for _ in range(count):
+        with serving(contender, work) as (server, ready_s):
+            found.append(Started(ready_s, server.log()))
+    return found
+
+
 def compile_summary(start: Started) -> str:
     """What each worker's log says of its compile: seconds, graphs, and how many the cache held."""
     found = COMPILED_LINE.findall(start.log)
@@ -145,28 +181,28 @@ def render(alone: Alone, results: Results, plan: list[Cell], starts: dict[str, l
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.resnet50", description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2, help="fresh servers of each contender, in turns")
+    parser.add_argument("--pairs", type=int, default=3, help="cells run on each server, in turns, per load")
     parser.add_argument("--seconds", type=float, default=10.0, help="measured seconds per cell")
-    parser.add_argument("--quick", action="store_true", help="one round of 2 s cells: a smoke run")
+    parser.add_argument("--restarts", type=int, default=2, help="compiled servers started after, with the cache")
+    parser.add_argument("--quick", action="store_true", help="one pair of 2 s cells, one restart: a smoke run")
     parser.add_argument("--out", type=Path, default=Path("loadtests/results/resnet50.md"), help="markdown report")
     args = parser.parse_args(argv)
-    rounds, seconds = (1, 2.0) if args.quick else (args.rounds, args.seconds)
-    results, alone = Results(), Alone({}, {})
-    starts: dict[str, list[Started]] = {EAGER: [], COMPILED: []}
+    pairs, seconds, restart_count = (1, 2.0, 1) if args.quick else (args.pairs, args.seconds, args.restarts)
+    alone = Alone({}, {})
     workers = min(usable_cpus(), 4)  # workers_per_device auto on a CPU
     with tempfile.TemporaryDirectory(prefix="imgserve-resnet50-") as directory:
         work = Path(directory)
         model = resnet.export(work / "resnet50.pt2")
         measure_alone(model, seconds, alone, work / "alone-cache")
         plan = cells(alone.per_thread[EAGER] * workers)
-        for index in range(rounds):
-            for contender in turns(servers(model, work / "compiled"), index):
-                starts[contender.name].append(run_round(contender, plan, seconds, work, results))
+        contenders = servers(model, work / "compiled")
+        results, starts = measure_served(contenders, plan, seconds, pairs, work)
+        starts[COMPILED] += restarts(contenders[1], restart_count, work)
         measure_alone(model, seconds, alone, work / "alone-cache")
     command = shlex.join(["python", "-m", "loadtests.resnet50", *(argv if argv is not None else sys.argv[1:])])
     header = (
-        f"# ResNet-50 ({datetime.date.today()})\n\n`{command}` on {machine()}: {rounds} rounds of {seconds:g} s "
-        f"cells; imgserve with {workers} workers.\n\n"
+        f"# ResNet-50 ({datetime.date.today()})\n\n`{command}` on {machine()}: {pairs} pairs of {seconds:g} s "
+        f"cells per load; imgserve with {workers} workers.\n\n"
     )
     return publish(header + render(alone, results, plan, starts, workers) + "\n", args.out)
 

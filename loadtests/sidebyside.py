@@ -15,18 +15,19 @@ always runs first) and runs every cell on it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import shlex
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NamedTuple
+from typing import TypeVar
 
-from imgserve.testing import free_port, serve_command
+from imgserve.testing import RunningServer, free_port, serve_command
 from loadtests.lib.closed_loop import Check, run_closed_loop
 from loadtests.lib.images import SampleImage, sample_images, square_jpegs
 from loadtests.lib.report import machine, publish
@@ -34,6 +35,7 @@ from loadtests.lib.servers import SOURCE, CpuWindow, running_server
 from loadtests.overhead import write_clamp_model
 
 REPO = SOURCE.parent
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -95,48 +97,49 @@ def cells(before: Path | None) -> list[Cell]:
     ]
 
 
-def turns(servers: list[Contender], index: int) -> list[Contender]:
+def turns(servers: list[T], index: int) -> list[T]:
     """The contenders in round `index`'s order: reversed every other round, so none always runs first."""
     return servers if index % 2 == 0 else servers[::-1]
 
 
-class Started(NamedTuple):
-    """How a contender's server started: the seconds until it was ready, and its log."""
-
-    ready_s: float
-    log: str
-
-
-def run_round(contender: Contender, plan: list[Cell], seconds: float, work: Path, results: Results) -> Started:
-    """A fresh server of `contender`, every cell of the plan it is in; how it started."""
+@contextlib.contextmanager
+def serving(contender: Contender, work: Path) -> Iterator[tuple[RunningServer, float]]:
+    """A fresh server of `contender` until the block ends, and the seconds it took to be ready."""
     port = free_port()
     env = {f"IMGSERVE_{key.upper()}": value for key, value in contender.settings.items()}
     env["PYTHONPATH"] = str(REPO)  # loadtests.lib.toy_apis for the user API
     log = work / f"{contender.name.replace(' ', '-')}-{port}.log"
     started = time.monotonic()
-    command = serve_command(port)
-    ready = contender.ready_timeout_s
+    command, ready = serve_command(port), contender.ready_timeout_s
     with running_server(command, port, log, "/health/ready", env, ready, contender.source) as server:
-        ready_s = time.monotonic() - started
+        yield server, time.monotonic() - started
+
+
+def run_cell(server: RunningServer, name: str, cell: Cell, seconds: float, results: Results) -> None:
+    """One cell's load on a running server (contender `name`): its answers/s, p50/p99 and the server's CPU per answer
+    go into `results`; an answer that fails its check stops the run."""
+    with CpuWindow(server, cell.warmup_s, seconds) as window:
+        result = run_closed_loop(
+            f"{server.url}/predict", cell.users, seconds, cell.warmup_s, images=cell.images, check=cell.check
+        )
+    print(
+        f"  {name}, {cell.name}: {result.rps:.1f}/s, {len(result.answered)} answered, {result.shed} shed, "
+        f"{result.failed} failed",
+        flush=True,
+    )
+    if result.failed:
+        raise RuntimeError(f"{name}, {cell.name}: {result.errors()}")
+    cpu_ms = 1000 * window.server_cores * seconds / max(len(result.answered), 1)
+    p50, p99 = result.latency_ms(0.5) or 0.0, result.latency_ms(0.99) or 0.0
+    results.add((cell.name, name), result.rps, p50, p99, cpu_ms)
+
+
+def run_round(contender: Contender, plan: list[Cell], seconds: float, work: Path, results: Results) -> None:
+    """A fresh server of `contender`, every cell of the plan it is in."""
+    with serving(contender, work) as (server, _):
         for cell in plan:
-            if contender.name not in cell.contenders:
-                continue
-            warmup = cell.warmup_s
-            with CpuWindow(server, warmup, seconds) as window:
-                result = run_closed_loop(
-                    f"{server.url}/predict", cell.users, seconds, warmup, images=cell.images, check=cell.check
-                )
-            print(
-                f"  {contender.name}, {cell.name}: {result.rps:.1f}/s, {len(result.answered)} answered, "
-                f"{result.shed} shed, {result.failed} failed",
-                flush=True,
-            )
-            if result.failed:
-                raise RuntimeError(f"{contender.name}, {cell.name}: {result.errors()}")
-            cpu_ms = 1000 * window.server_cores * seconds / max(len(result.answered), 1)
-            p50, p99 = result.latency_ms(0.5) or 0.0, result.latency_ms(0.99) or 0.0
-            results.add((cell.name, contender.name), result.rps, p50, p99, cpu_ms)
-    return Started(ready_s, server.log())
+            if contender.name in cell.contenders:
+                run_cell(server, contender.name, cell, seconds, results)
 
 
 def report(results: Results, plan: list[Cell]) -> str:

@@ -135,6 +135,7 @@ def test_a_restart_reuses_the_compiled_code_and_answers_as_the_eager_server(mode
     assert any(hits < graphs for graphs, hits in first), first
     assert all(hits == graphs for graphs, hits in second), second
     assert (tmp_path / "cache").stat().st_mode & 0o777 == 0o700
+    assert len(list((tmp_path / "cache").glob("warmed-*"))) == 1  # the third server's workers read it all at once
 
 
 def test_a_cache_directory_another_user_can_write_is_refused(models, tmp_path: Path) -> None:

@@ -320,10 +320,10 @@ def test_resnet50_holds_the_compiled_server_to_1_2x_the_eager_one(compiled: floa
         "x model compiled for batches of 1 to 8 on 2 and 1 threads in {} s: 4 graphs, {} of them from the cache"
     )
     starts = {
-        resnet50.EAGER: [sidebyside.Started(9.0, "")],
+        resnet50.EAGER: [resnet50.Started(9.0, "")],
         resnet50.COMPILED: [
-            sidebyside.Started(90.0, compiled_log.format(80.5, 0) + "\n" + compiled_log.format(81.0, 4)),
-            sidebyside.Started(12.0, compiled_log.format(3.5, 4)),
+            resnet50.Started(90.0, compiled_log.format(80.5, 0) + "\n" + compiled_log.format(81.0, 4)),
+            resnet50.Started(12.0, compiled_log.format(3.5, 4)),
         ],
     }
     report = resnet50.render(alone, results, plan, starts, 2)

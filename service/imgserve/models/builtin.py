@@ -106,7 +106,7 @@ class ModelAPI(ImageAPI):
         for a batch of one and one for larger batches, but a kernel choice of its own can split those further). With
         max_batch_size auto, which is measured after this, 1 and 2."""
         largest = self.settings.max_batch_size
-        return list(range(1, (2 if largest == "auto" else largest) + 1))
+        return [1, *range(2 if largest == "auto" else largest, 1, -1)]
 
     @staticmethod
     def thread_counts(device: str) -> list[int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import stat
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from imgserve.config import COMPILED_BY_DEFAULT
+from imgserve.config import COMPILED_BY_DEFAULT, Settings
 from imgserve.models.loader import ModelLoadError
 from imgserve.models.native import NativeModule
 
@@ -78,6 +79,17 @@ def _thread_lock_for_tqdm() -> None:
         tqdm.tqdm.set_lock(threading.RLock())
 
 
+def warm_key(settings: Settings, device: str) -> str:
+    """What names a warm-up's code in the cache: the model file (path, size and time), the settings that shape its
+    graphs, the device kind, the worker's threads and torch's version. A wrong match costs time, never correctness:
+    the workers then compile beside each other, or one after the other."""
+    path = Path(settings.model)
+    facts = path.stat() if path.is_file() else None
+    shape = (settings.input_size, settings.max_batch_size, settings.precision, settings.channels_last)
+    found = [settings.model, facts and (facts.st_size, facts.st_mtime_ns), shape, device, torch.get_num_threads()]
+    return hashlib.sha256(repr([*found, torch.__version__]).encode()).hexdigest()[:16]
+
+
 def graphs_compiled() -> int:
     """Graphs torch.compile has compiled in this process (dynamo's own counter)."""
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
@@ -86,11 +98,12 @@ def graphs_compiled() -> int:
 class CompiledModel:
     """A model under torch.compile, its code cached in `cache`; `any_size`: the height and width vary too."""
 
-    def __init__(self, model: torch.nn.Module, cache: Path, any_size: bool) -> None:
+    def __init__(self, model: torch.nn.Module, cache: Path, any_size: bool, warm_key: str) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # read when the first graph is compiled
         _thread_lock_for_tqdm()
         self.function: Callable[[torch.Tensor], Any] = torch.compile(model)
         self.cache, self.dims = cache, (0, 2, 3) if any_size else (0,)
+        self.warmed = cache / f"warmed-{warm_key}"  # made once a warm-up of this key has filled the cache
         self.late_graphs = 0
         self._ready = False
 
@@ -107,10 +120,15 @@ class CompiledModel:
     @contextlib.contextmanager
     def compiling(self) -> Iterator[None]:
         """Hold the cache directory while compiling: one process at a time compiles into it, so the device's other
-        workers find its code there instead of compiling it again beside it."""
+        workers find its code there instead of compiling it again beside it. Once a warm-up of the same key has
+        filled it, the workers only read it, all at once."""
+        if self.warmed.exists():
+            yield
+            return
         with open(self.cache / LOCK, "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
             yield
+            self.warmed.touch()
 
     def warm_up(self, run: Callable[[int], object], sizes: list[int], threads: list[int]) -> None:
         """Compile for every batch of `sizes` on every count of `threads` (torch guards a graph on the thread count)

@@ -59,7 +59,8 @@ class ModelRunner:
         fixed_size = settings.input_size is not None
         if compiled.wanted(settings.compile, device.type, model, fixed_size):
             cache = compiled.cache_directory(settings.compile_cache_dir)
-            runner.call = compiled.CompiledModel(model, cache, any_size=not fixed_size)
+            key = compiled.warm_key(settings, device.type)
+            runner.call = compiled.CompiledModel(model, cache, any_size=not fixed_size, warm_key=key)
             runner.compile_required = bool(settings.compile)
         return runner
 
