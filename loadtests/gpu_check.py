@@ -1,18 +1,20 @@
 """The prepared GPU check: one call on a machine with an NVIDIA GPU, one table of checks with their goals.
 
-`python -m loadtests.gpu_check [--cell-seconds 3] [--out loadtests/results/gpu_check.md]`
+`python -m loadtests.gpu_check [--cell-seconds 3] [--out-dir loadtests/results/gpu_check]`
 
 Each check starts the imgserve it needs on loopback (sequentially, so only one holds the GPU at a time) and
-stops it. Without CUDA the GPU rows are `skipped`; the seed case is measured (`info`: on a CPU the model's cost
-grows with the batch, so its goal is a GPU's) and the overhead targets run in a short form. A row whose check
-raised is `error`. Exit status: 0 all goals met (or skipped), 1 a goal missed, 2 a check raised.
-The table is printed and written to --out, with the overhead benchmark's own report below it.
+stops it. Without CUDA the GPU rows are `skipped`, saying why; the seed case is measured (`info`: on a CPU the
+model's cost grows with the batch, so its goal is a GPU's) and the overhead targets run in a short form. A row
+whose check raised is `error`. Exit status: 0 all goals met (or skipped), 1 a goal missed, 2 a check raised.
+The table is printed and written to --out-dir as checks.md, with the tables of the overhead benchmark
+(overhead.md) and of the ResNet-50 checks (resnet50.md) beside it.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import io
 import os
 import signal
@@ -22,7 +24,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -31,8 +33,12 @@ import torch
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
+from imgserve import codec
+from imgserve.config import COMPILED_BY_DEFAULT
 from imgserve.testing import RunningServer, free_port, serve_command
+from imgserve.worker.decoding import decode_items, gpu_jpeg_decoder
 from loadtests import overhead
+from loadtests.lib import gpu_resnet, resnet
 from loadtests.lib.closed_loop import run_closed_loop
 from loadtests.lib.images import SampleImage, square_jpegs
 from loadtests.lib.report import machine
@@ -62,6 +68,11 @@ SHARE_CONTROL, SHARE_OUTPUTS = "negative control: --no-share-weights", "shared w
 SHARE_GOAL = "growth <= W/10 beyond the 1 MiB model's growth (the extra CUDA contexts); W = 256 MiB"
 RESTART_GOAL = "the new worker starts; GPU memory vs just before the kill grows <= W/10 (a private copy: +W)"
 AUTO, FLOOD, OOM = "max_batch_size auto", f"peak GPU memory, {FLOOD_REQUESTS}-request flood", "OOM split-and-retry"
+DECODE_SIDES, DECODE_BATCH, DECODE_DEVICE = (224, 512, 1024), 32, "cuda:0"
+DEVICE_DECODE = tuple(f"decode on the device vs on the CPU, {side}px" for side in DECODE_SIDES)
+RESNET_COMPILED = "ResNet-50 alone: compiled vs eager"
+RESNET_HTTP, RESNET_GRPC = "ResNet-50 from JPEGs over HTTP", "ResNet-50 from JPEGs over gRPC"
+RESNET_GOAL = f"measured: c={'/'.join(map(str, gpu_resnet.USERS))} vs the model alone, GPU busy (NVML); none failed"
 PRECISION_GOAL = f"starts; mean abs diff vs fp32 <= {PRECISION_MAX_MEAN_DIFF:g}/255"
 GOALS = {
     CUDA: "/info device is cuda",
@@ -77,6 +88,10 @@ GOALS = {
     SHARE_RESTART: RESTART_GOAL,
     SHARE_CONTROL: "private copies miss that bound (about 2 W): the check can fail",
     SHARE_OUTPUTS: "as the 1-worker server answers (mean abs diff <= 1/255)",
+    **{name: "nvJPEG decodes a batch faster than Pillow on the CPU threads" for name in DEVICE_DECODE},
+    RESNET_COMPILED: "compile's default on cuda (config.COMPILED_BY_DEFAULT) is the faster one",
+    RESNET_HTTP: RESNET_GOAL,
+    RESNET_GRPC: RESNET_GOAL,
     **{overhead_row(t): f"{'<=' if t.latency else '>='} {t.factor}x" for t in overhead.TARGETS},
 }
 
@@ -95,29 +110,31 @@ class Row:
         return cls(check, result, GOALS[check], PASS if ok else FAIL)
 
     @classmethod
-    def skipped(cls, check: str) -> Row:
-        return cls(check, "no CUDA device", GOALS[check], SKIPPED)
+    def skipped(cls, check: str, why: str = "no CUDA device") -> Row:
+        return cls(check, why, GOALS[check], SKIPPED)
 
 
 @dataclass
 class Context:
-    """What every check may use: CUDA or not, where logs go, how long a load cell lasts, and the fp32 reference."""
+    """What every check may use: CUDA or not, where logs go, how long a load cell lasts, the fp32 reference, and
+    the reports the checks leave (file name -> markdown)."""
 
     cuda: bool
     log_dir: Path
     cell_seconds: float
     reference_png: bytes | None = None
-    overhead_report: str = ""
+    reports: dict[str, str] = field(default_factory=dict)
 
 
 @contextlib.contextmanager
 def imgserve(context: Context, name: str, **settings: str) -> Iterator[RunningServer]:
-    """`imgserve serve` on a free loopback port with IMGSERVE_<NAME> settings; stopped (process tree) afterwards."""
-    port = free_port()
+    """`imgserve serve` on a free loopback port with IMGSERVE_<NAME> settings (gRPC only with a grpc_port); stopped
+    (process tree) afterwards."""
+    port, grpc_port = free_port(), int(settings.pop("grpc_port", 0))
     env = {f"IMGSERVE_{key.upper()}": value for key, value in settings.items()}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     log = context.log_dir / f"{name}.log"
-    with running_server(serve_command(port), port, log, "/health/ready", env) as server:
+    with running_server(serve_command(port, grpc_port), port, log, "/health/ready", env) as server:
         yield server
 
 
@@ -355,8 +372,71 @@ def check_overhead(context: Context) -> list[Row]:
         else overhead.Plan.targets_only(seconds)
     )
     run = overhead.run_overhead(plan, context.log_dir)
-    context.overhead_report = overhead.render(run, "python -m loadtests.gpu_check", machine())
+    context.reports["overhead.md"] = overhead.render(run, "python -m loadtests.gpu_check", machine())
     return [Row.of(overhead_row(v.target), v.result(), v.met) for v in run.verdicts()]
+
+
+def check_device_decode(context: Context) -> list[Row]:
+    """The worker's decode of a batch of DECODE_BATCH JPEGs (imgserve.worker.decoding) at 224, 512 and 1024 px: on
+    the GPU (torchvision's batched nvJPEG call, the bytes copied in, synchronized) against Pillow on every core of
+    this host at once (what the front ends would do), in images/s."""
+    batched = gpu_jpeg_decoder()
+    if batched is None:
+        return [Row.skipped(name, "torchvision's GPU JPEG decoder is not installed") for name in DEVICE_DECODE]
+    rows, device = [], torch.device(DECODE_DEVICE)
+    for name, side in zip(DEVICE_DECODE, DECODE_SIDES, strict=True):
+        uploads = [codec.read_header(image.data, side * side) for image in square_jpegs(side, DECODE_BATCH)]
+        on_the_device = functools.partial(decode_items, uploads, device, batched)
+        device_rate = _decode_rate(on_the_device, context.cell_seconds / 4, device)
+        cores = os.cpu_count() or 1
+        with ThreadPoolExecutor(cores) as pool:  # Pillow decodes without the GIL
+            on_the_cores = functools.partial(_decode_on, pool, uploads)
+            cpu_rate = _decode_rate(on_the_cores, context.cell_seconds / 4, None)
+        ratio = device_rate / cpu_rate
+        result = f"GPU {device_rate:.0f} images/s, Pillow on {cores} cores {cpu_rate:.0f}/s ({ratio:.2f}x)"
+        rows.append(Row.of(name, result, device_rate > cpu_rate))
+    return rows
+
+
+def _decode_on(pool: ThreadPoolExecutor, uploads: list[codec.EncodedImage]) -> list[object]:
+    """The uploads decoded by Pillow on the pool's threads, as the front ends decode them."""
+    return list(pool.map(lambda upload: codec.open_image(upload.data, upload.width * upload.height).load(), uploads))
+
+
+def _decode_rate(decode: Callable[[], object], seconds: float, device: torch.device | None) -> float:
+    """Images/s of `decode` (one batch of DECODE_BATCH) run over and over for `seconds`, after one warm-up call."""
+    decode()
+    count, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        decode()
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        count += DECODE_BATCH
+    return count / (time.perf_counter() - started)
+
+
+def check_resnet(context: Context) -> list[Row]:
+    """The ResNet-50 alone on the GPU, eager against compiled (is compile's default on cuda the faster one?); then
+    served as `compile` defaults it, from 500x375 JPEGs over HTTP and gRPC at 1, 64 and 256 users, against the model
+    alone, with the GPU's busy share."""
+    model = resnet.export(context.log_dir / "resnet50.pt2")
+    alone = gpu_resnet.model_alone(model, "cuda", context.cell_seconds, context.log_dir / "alone-cache")
+    compiled = COMPILED_BY_DEFAULT["cuda"]
+    faster = "compiled" if alone.compiled > alone.eager else "eager"
+    result = (
+        f"batch {gpu_resnet.ALONE_BATCH}: eager {alone.eager:.0f}/s, compiled {alone.compiled:.0f}/s "
+        f"({alone.compiled / alone.eager:.2f}x; compile {alone.compile_s:.0f} s); default: "
+        f"{'compiled' if compiled else 'eager'}"
+    )
+    rows = [Row.of(RESNET_COMPILED, result, (faster == "compiled") == compiled)]
+    grpc_port = free_port()
+    with imgserve(context, "resnet50", **gpu_resnet.SERVED, model=str(model), grpc_port=str(grpc_port)) as server:
+        served = gpu_resnet.serve_cells(server, f"127.0.0.1:{grpc_port}", model.stem, context.cell_seconds)
+    context.reports["resnet50.md"] = gpu_resnet.render(alone, compiled, served)
+    for name, protocol in ((RESNET_HTTP, "HTTP"), (RESNET_GRPC, "gRPC")):
+        text, ok = gpu_resnet.summary(served, protocol, alone.limit(compiled))
+        rows.append(Row(name, text, GOALS[name], INFO if ok else FAIL))
+    return rows
 
 
 @dataclass(frozen=True)
@@ -376,6 +456,8 @@ CHECKS = (
     Check(check_oom_split, (OOM,), gpu_only=True),
     Check(check_shared_weights, (SHARE, SHARE_RESTART, SHARE_CONTROL, SHARE_OUTPUTS), gpu_only=True),
     Check(check_overhead, tuple(overhead_row(t) for t in overhead.TARGETS), gpu_only=False),
+    Check(check_device_decode, DEVICE_DECODE, gpu_only=True),
+    Check(check_resnet, (RESNET_COMPILED, RESNET_HTTP, RESNET_GRPC), gpu_only=True),
 )
 
 
@@ -416,15 +498,18 @@ def exit_status(rows: list[Row]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.gpu_check", description=__doc__.splitlines()[0])
-    parser.add_argument("--cell-seconds", type=float, default=3.0, help="measured seconds per overhead cell")
-    parser.add_argument("--out", type=Path, default=Path("loadtests/results/gpu_check.md"), help="markdown report")
+    parser.add_argument("--cell-seconds", type=float, default=3.0, help="measured seconds per load cell")
+    parser.add_argument(
+        "--out-dir", type=Path, default=Path("loadtests/results/gpu_check"), help="folder for the markdown tables"
+    )
     args = parser.parse_args(argv)
     started = time.monotonic()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
 
     def write(rows: list[Row]) -> str:
         table = render(rows, machine(), time.monotonic() - started)
-        args.out.write_text(table + "\n## Overhead benchmark\n\n" + context.overhead_report)
+        for name, report in {"checks.md": table, **context.reports}.items():
+            (args.out_dir / name).write_text(report)
         return table
 
     with tempfile.TemporaryDirectory(prefix="imgserve-gpu-check-") as logs:

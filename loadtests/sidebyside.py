@@ -23,18 +23,20 @@ summed PSS is read once it is ready and has idled (IDLE_S), before any load: the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import shlex
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
-from imgserve.testing import free_port, serve_command
-from loadtests.lib.closed_loop import run_closed_loop
+from imgserve.testing import RunningServer, free_port, serve_command
+from loadtests.lib.closed_loop import Check, run_closed_loop
 from loadtests.lib.images import SampleImage, sample_images, square_jpegs
 from loadtests.lib.otlp_sink import otlp_sink
 from loadtests.lib.report import machine, publish
@@ -44,27 +46,33 @@ from loadtests.overhead import write_clamp_model
 REPO = SOURCE.parent
 IDLE_S = 2.0  # a fresh server idles this long before its idle PSS is read
 STORM_USERS = 640
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Contender:
-    """A server: the source tree it runs, its settings and any other environment (OTEL_* variables)."""
+    """A server: the source tree it runs, its settings, any other environment (OTEL_* variables), and how long it
+    may take to be ready."""
 
     name: str
     source: Path
     settings: dict[str, str]
     env: dict[str, str] = field(default_factory=dict)
+    ready_timeout_s: float = 180
 
 
 @dataclass(frozen=True)
 class Cell:
-    """A load: images and users, against some of the contenders."""
+    """A load: images and users, against some of the contenders; how its answers are checked (default: an image of
+    the upload's size) and how long it warms up."""
 
     name: str
     images: tuple[SampleImage, ...]
     users: int
     contenders: tuple[str, ...]
     retry_at_once: bool = False  # a retry storm: a refused user resends at once
+    check: Check | None = None
+    warmup_s: float = 2.0
 
 
 @dataclass
@@ -119,32 +127,57 @@ def cells(before: Path | None, traced: bool = False, storm: bool = False) -> lis
     return found
 
 
-def turns(servers: list[Contender], index: int) -> list[Contender]:
+def turns(servers: list[T], index: int) -> list[T]:
     """The contenders in round `index`'s order: reversed every other round, so none always runs first."""
     return servers if index % 2 == 0 else servers[::-1]
 
 
-def run_round(contender: Contender, plan: list[Cell], seconds: float, work: Path, results: Results) -> None:
-    """A fresh server of `contender`, every cell of the plan it is in."""
+@contextlib.contextmanager
+def serving(contender: Contender, work: Path) -> Iterator[tuple[RunningServer, float]]:
+    """A fresh server of `contender` until the block ends, and the seconds it took to be ready."""
     port = free_port()
     env = {f"IMGSERVE_{key.upper()}": value for key, value in contender.settings.items()} | contender.env
     env["PYTHONPATH"] = str(REPO)  # loadtests.lib.toy_apis for the user API
     log = work / f"{contender.name.replace(' ', '-')}-{port}.log"
-    with running_server(serve_command(port), port, log, "/health/ready", env, source=contender.source) as server:
+    started = time.monotonic()
+    command, ready = serve_command(port), contender.ready_timeout_s
+    with running_server(command, port, log, "/health/ready", env, ready, contender.source) as server:
+        yield server, time.monotonic() - started
+
+
+def run_cell(server: RunningServer, name: str, cell: Cell, seconds: float, results: Results) -> None:
+    """One cell's load on a running server (contender `name`): its answers/s, p50/p99 and the server's CPU per answer
+    go into `results`; an answer that fails its check stops the run."""
+    with CpuWindow(server, cell.warmup_s, seconds) as window:
+        result = run_closed_loop(
+            f"{server.url}/predict",
+            cell.users,
+            seconds,
+            cell.warmup_s,
+            images=cell.images,
+            check=cell.check,
+            retry_at_once=cell.retry_at_once,
+        )
+    print(
+        f"  {name}, {cell.name}: {result.rps:.1f}/s, {len(result.answered)} answered, {result.shed} shed, "
+        f"{result.failed} failed",
+        flush=True,
+    )
+    if result.failed:
+        raise RuntimeError(f"{name}, {cell.name}: {result.errors()}")
+    cpu_ms = 1000 * window.server_cores * seconds / max(len(result.answered), 1)
+    p50, p99 = result.latency_ms(0.5) or 0.0, result.latency_ms(0.99) or 0.0
+    results.add((cell.name, name), result.rps, p50, p99, cpu_ms)
+
+
+def run_round(contender: Contender, plan: list[Cell], seconds: float, work: Path, results: Results) -> None:
+    """A fresh server of `contender`: its idle PSS, then every cell of the plan it is in."""
+    with serving(contender, work) as (server, _):
         time.sleep(IDLE_S)
         results.idle_pss.setdefault(contender.name, []).append(server.tree_pss())
         for cell in plan:
-            if contender.name not in cell.contenders:
-                continue
-            warmup = 2.0
-            with CpuWindow(server, warmup, seconds) as window:
-                url, storm = f"{server.url}/predict", cell.retry_at_once
-                result = run_closed_loop(url, cell.users, seconds, warmup, images=cell.images, retry_at_once=storm)
-            if result.failed:
-                raise RuntimeError(f"{contender.name}, {cell.name}: {result.errors()}")
-            cpu_ms = 1000 * window.server_cores * seconds / max(len(result.answered), 1)
-            p50, p99 = result.latency_ms(0.5) or 0.0, result.latency_ms(0.99) or 0.0
-            results.add((cell.name, contender.name), result.rps, p50, p99, cpu_ms)
+            if contender.name in cell.contenders:
+                run_cell(server, contender.name, cell, seconds, results)
 
 
 def report(results: Results, plan: list[Cell]) -> str:
@@ -162,8 +195,8 @@ def report(results: Results, plan: list[Cell]) -> str:
             )
         first = statistics.median(results.rps[(cell.name, cell.contenders[0])])
         for name in cell.contenders[1:]:
-            ratio = statistics.median(results.rps[(cell.name, name)]) / first
-            lines.append(f"| | {name} / {cell.contenders[0]} | | {ratio:.3f}x | | | |")
+            ratio = f"{statistics.median(results.rps[(cell.name, name)]) / first:.3f}x" if first else "-"
+            lines.append(f"| | {name} / {cell.contenders[0]} | | {ratio} | | | |")
         if cell.name == STORM:
             for name in cell.contenders:
                 goodput = statistics.median(results.rps[(cell.name, name)]) / statistics.median(

@@ -12,13 +12,16 @@ import asyncio
 import functools
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
 from urllib3 import encode_multipart_formdata
 
 from loadtests.lib.images import MAX_RETRY_AFTER_S, REJECT_STATUSES, SampleImage, check_answer, sample_images
+
+# A check of one answer: (image sent, status, content type, body, decode its pixels?) -> what is wrong, or None.
+Check = Callable[[SampleImage, int, str, bytes, bool], str | None]
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,7 @@ class Behaviour:
     retry_at_once: bool  # resend the same image on 503/504 at once (a retry storm) instead of waiting Retry-After
     decode_answers: bool  # decode every answer's pixels (else check its header: format and size)
     max_requests: int | None  # stop once this many requests were sent by all users together
+    check: Check | None  # None: check_answer (an image of the input's size)
 
 
 async def _user(
@@ -127,7 +131,7 @@ async def _user(
         try:
             status, content_type, body, retry_after = await _post(session, url, image)
             latency = time.monotonic() - started  # the whole answer is in; checking it is the client's own time
-            error = check_answer(image, status, content_type, body, how.decode_answers)
+            error = (how.check or check_answer)(image, status, content_type, body, how.decode_answers)
         except (aiohttp.ClientError, TimeoutError) as exc:
             latency = time.monotonic() - started
             status, error = 0, f"{type(exc).__name__}: {exc}"
@@ -166,13 +170,15 @@ def run_closed_loop(
     retry_at_once: bool = False,
     decode_answers: bool = True,
     max_requests: int | None = None,
+    check: Check | None = None,
 ) -> LoadResult:
     """Post test images to `url` from `users` concurrent users for `warmup_s` + `seconds`; measure the last `seconds`.
 
     `images` default to the eight sample images. With `retry_at_once` a rejected user resends the same image
     immediately (a retry storm), else it waits Retry-After. decode_answers=False checks each answer's header only.
-    `max_requests` ends the run early once that many requests were sent (a flood of a fixed size).
+    `max_requests` ends the run early once that many requests were sent (a flood of a fixed size). `check` judges
+    each answer (default `check_answer`: an image of the input's size; `check_scores` for a classifier).
     Requests are timed out after `timeout_s`. The result holds the requests started in the measured window.
     """
-    how = Behaviour(images or sample_images(), retry_at_once, decode_answers, max_requests)
+    how = Behaviour(images or sample_images(), retry_at_once, decode_answers, max_requests, check)
     return asyncio.run(_run(url, users, seconds, warmup_s, timeout_s, how))

@@ -1,8 +1,10 @@
-"""The test images every load generator sends, and the one check of every answer."""
+"""The test images every load generator sends, and the checks of their answers (an image, or a classifier's
+scores)."""
 
 from __future__ import annotations
 
 import io
+import json
 from dataclasses import dataclass
 from functools import cache
 
@@ -80,6 +82,17 @@ def check_answer(image: SampleImage, status: int, content_type: str, body: bytes
     if size != (image.width, image.height):
         return f"answer is {size[0]}x{size[1]}, expected {image.width}x{image.height}"
     return None
+
+
+def check_scores(image: SampleImage, status: int, content_type: str, body: bytes, decode: bool = True) -> str | None:
+    """None when the answer is a classifier's JSON with its top scores, else what is wrong with it."""
+    if status != 200:
+        return f"HTTP {status}: {body[:200]!r}"
+    try:
+        scores = json.loads(body)["top_k"]
+    except (ValueError, KeyError, TypeError):
+        return f"not a classifier's answer: {body[:200]!r}"
+    return None if isinstance(scores, list) and scores else f"no scores in {body[:200]!r}"
 
 
 def rejected_name(status: int) -> str:

@@ -133,15 +133,17 @@ class Request:
         """The request's image as uint8 HxWx3 RGB pixels, decoded strictly under the pixel limit (`open_image`)."""
         return np.asarray(self.open_image(name))
 
-    def open_image(self, name: str = "file") -> Image.Image:
+    def open_image(self, name: str = "file", at_least: int | None = None) -> Image.Image:
         """The request's image as an RGB Pillow image: over HTTP the multipart file `name` or a raw image body;
         over the Open Inference Protocol the `image` input (encoded, BYTES) or the `pixels` input (UINT8 HxWx3).
-        Whatever the bytes, a 4xx ApiError rather than a crash (400 corrupt, 413 over the limit, 415, 422)."""
+        Whatever the bytes, a 4xx ApiError rather than a crash (400 corrupt, 413 over the limit, 415, 422). With
+        `at_least` (for a caller that scales the image down), a JPEG may be decoded smaller, each side still at least
+        that: `codec.full_size(image)` is then the upload's own size."""
         if self.protocol == "v2":
             if "pixels" in self.inputs and "image" not in self.inputs:
                 return codec.from_pixels(self.inputs["pixels"], self.max_image_pixels)
-            return codec.open_image(self._input_bytes(), self.max_image_pixels)
-        return codec.open_image(self._upload(name), self.max_image_pixels)
+            return codec.open_image(self._input_bytes(), self.max_image_pixels, at_least)
+        return codec.open_image(self._upload(name), self.max_image_pixels, at_least)
 
     def _upload(self, name: str) -> bytes:
         """Over HTTP, the image's bytes: the multipart file `name`, or the raw body."""

@@ -20,15 +20,15 @@ from imgserve.handoff.directory import ServerDirectory
 
 
 def _add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    """One --flag per setting (--x/--no-x for booleans), a group of them per concern; unset ones fall back to
-    IMGSERVE_<NAME>, then the default. A description is help text as written: its `%` is escaped, since argparse
-    %-formats help."""
+    """One --flag per setting (--x/--no-x for booleans, and for a boolean whose unset value means "decided for the
+    device"), a group of them per concern; unset ones fall back to IMGSERVE_<NAME>, then the default. A description
+    is help text as written: its `%` is escaped, since argparse %-formats help."""
     for concern in CONCERNS:
         group = parser.add_argument_group((concern.__doc__ or concern.__name__).splitlines()[0].rstrip("."))
         for name, field in concern.model_fields.items():
             flag = f"--{name.replace('_', '-')}"
             text = (field.description or "").replace("%", "%%")
-            if field.annotation is bool:
+            if field.annotation in (bool, bool | None):
                 group.add_argument(flag, dest=name, default=None, action=argparse.BooleanOptionalAction, help=text)
             elif typing.get_origin(field.annotation) is list:  # repeated
                 group.add_argument(flag, dest=name, default=None, action="append", help=text)

@@ -1,7 +1,9 @@
 """Bytes <-> image: strict decoding of untrusted uploads and encoding of answers, for every process and user API.
 
 Whatever the bytes, decoding answers pixels or an ApiError (400, 413, 415), with the CPU it may cost bounded before
-any decoding starts: the pixel count and a JPEG's scans are checked from the header.
+any decoding starts: the pixel count and a JPEG's scans are checked from the header. A caller that will scale the
+image down says how small it may be, and a JPEG is then decoded at a reduced scale (libjpeg's DCT scaling, through
+Pillow's `draft`): a quarter of a 1024x1024 upload's pixels for ImageNet preprocessing.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from imgserve.errors import ApiError
 
@@ -23,6 +25,7 @@ ACCEPTED_FORMATS = {"JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF", "MPO"}
 MAX_JPEG_SCANS = 100
 OUTPUT_TYPES = {"jpeg": "image/jpeg", "png": "image/png", "webp": "image/webp"}
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+FULL_SIZE = "imgserve.full_size"  # in a reduced image's `info`: the upload's own (upright) width and height
 TURNED = (5, 6, 7, 8)  # the EXIF orientations that swap width and height
 
 
@@ -75,26 +78,32 @@ def read_header(data: bytes, max_pixels: int) -> EncodedImage:
     with nothing decoded. Its size is upright (EXIF orientation applied), as the decode makes it."""
     image = _opened(data, max_pixels)
     try:
-        turned = image.getexif().get(0x0112) in TURNED
+        turned = image.getexif().get(ExifTags.Base.Orientation) in TURNED
     except Exception as exc:  # a broken EXIF block, as open_image's transpose would meet it
         raise _corrupt(exc) from None
     width, height = image.size
     return EncodedImage(data, image.format or "", *((height, width) if turned else (width, height)))
 
 
-def open_image(data: bytes, max_pixels: int) -> Image.Image:
+def open_image(data: bytes, max_pixels: int, at_least: int | None = None) -> Image.Image:
     """Untrusted image bytes -> an RGB Pillow image: upright, first frame, alpha over white, 16-bit scaled.
 
     Pillow's plugins raise nearly every exception type on crafted input, so any of them means a corrupt image. Only
-    the first frame is decoded, and its pixel count is checked (and JPEG scans counted) before decoding.
+    the first frame is decoded, and its pixel count is checked (and JPEG scans counted) before decoding. With
+    `at_least`, a JPEG is decoded at the smallest scale (1/2, 1/4, 1/8) whose sides are both still at least that,
+    and `full_size` says the upload's own size.
     """
     image = _opened(data, max_pixels)
+    full = _reduce(image, at_least) if at_least else None
     try:
         image.load()
         ImageOps.exif_transpose(image, in_place=True)  # a copy would cost as much as a third of the decode
-        return _to_rgb(image)
+        rgb = _to_rgb(image)
     except Exception as exc:
         raise _corrupt(exc) from None
+    if full is not None:
+        rgb.info[FULL_SIZE] = full
+    return rgb
 
 
 def _opened(data: bytes, max_pixels: int) -> Image.Image:
@@ -113,6 +122,24 @@ def _opened(data: bytes, max_pixels: int) -> Image.Image:
     if image.format in ("JPEG", "MPO") and data.count(b"\xff\xda") > MAX_JPEG_SCANS:
         raise ApiError(400, "corrupt_image", f"the JPEG has more than {MAX_JPEG_SCANS} scans")
     return image
+
+
+def full_size(image: Image.Image) -> tuple[int, int]:
+    """The upload's own width and height (upright): the image's, unless `open_image` decoded it at a reduced scale."""
+    size: tuple[int, int] = image.info.get(FULL_SIZE, image.size)
+    return size
+
+
+def _reduce(image: Image.Image, at_least: int) -> tuple[int, int] | None:
+    """Have a JPEG decoded at the smallest DCT scale whose sides are both at least `at_least`; the full upright size
+    when that is smaller than the image, else None."""
+    width, height = image.size
+    if image.format not in ("JPEG", "MPO") or min(width, height) < 2 * at_least:  # no smaller scale would do
+        return None
+    image.draft(None, (at_least, at_least))
+    if image.size == (width, height):
+        return None
+    return (height, width) if image.getexif().get(ExifTags.Base.Orientation) in TURNED else (width, height)
 
 
 def decode_image(data: bytes, max_pixels: int) -> np.ndarray:

@@ -22,8 +22,12 @@ BUILTIN_MODEL = "builtin:denoiser"
 MAX_CPU_WORKERS = 4
 MAX_GPU_WORKERS = 4
 GPU_BUSY_GOAL = 0.9  # workers_per_device auto on a GPU: the share of time the GPU should have work
-MAX_FRONT_ENDS = 4
 CPU_FRONT_ENDS = 2  # api_servers auto on a CPU (at most one per core)
+# api_servers auto on a GPU where the device decodes the uploads: this share of the cores the workers leave.
+DEVICE_DECODE_FRONT_END_SHARE = 0.5
+# compile unset: whether a fixed-size model runs compiled, by device kind (the faster; docs/benchmarks.md, gpu_check)
+COMPILED_BY_DEFAULT = {"cpu": True, "cuda": False}
+COMPILE_DEFAULTS = " and ".join(kind.upper() for kind, on in COMPILED_BY_DEFAULT.items() if on) or "no device"
 # torchvision's ImageNet weight transforms (ImageClassification preset): what --preprocess imagenet sets.
 PRESETS: dict[str, dict[str, object]] = {
     "imagenet": {
@@ -84,7 +88,7 @@ class Listening(Concern):
         "auto",
         description=f"HTTP front-end processes (they share the port); auto = on a CPU {CPU_FRONT_ENDS} (at most one "
         "per core: one event loop is what limits a cheap model), on a GPU the cores the inference workers leave "
-        f"free, at least 1, at most {MAX_FRONT_ENDS}.",
+        f"free ({DEVICE_DECODE_FRONT_END_SHARE:.0%} of them where the device decodes the uploads), at least 1.",
     )
 
 
@@ -121,6 +125,11 @@ class Serving(Concern):
         False,
         description="Load model files that can run code: a whole pickled model, or a .pt2 in any form other than "
         "the plain one torch.export.save writes (runs code from the file!).",
+    )
+    trust_native_code: bool = Field(
+        False,
+        description="Serve an AOTInductor package (.pt2 from torch._inductor.aoti_compile_and_package): native code "
+        "compiled for one device kind, which runs as the server (only from authors you trust!).",
     )
 
 
@@ -296,6 +305,17 @@ class BuiltinModel(Concern):
         "worker (next to the batch: on a GPU the JPEGs in one batched call, then tensor resizes; on a CPU Pillow "
         "in the worker); auto = worker where the device is CUDA and torchvision's GPU JPEG decoder is installed.",
     )
+    compile: bool | None = Field(
+        None,
+        description="torch.compile the model in each worker, for every batch size, before it is ready; unset = on "
+        f"for a fixed --input-size on a {COMPILE_DEFAULTS} (measured faster), else off. A model of any input size "
+        "may compile again for a new size, on a request; TorchScript and AOTInductor packages are compiled already.",
+    )
+    compile_cache_dir: str | None = Field(
+        None,
+        description="Keeps the compiled code for a restart with the same model, device and torch: made (mode 0700), "
+        "refused if another user can write it; unset = $XDG_CACHE_HOME/imgserve/compiled (~/.cache/imgserve/...).",
+    )
     channels_last: bool = Field(
         True,
         description="Run convolutions in NHWC memory (2-3x faster on CPU, tensor cores on GPU); "
@@ -328,16 +348,13 @@ class BuiltinModel(Concern):
             if name not in self.model_fields_set:
                 self.__dict__[name] = value
         if self.resize_size and self.input_size and self.resize_size < self.input_size:
-            raise ValueError(
-                f"--resize-size {self.resize_size} is smaller than the --input-size {self.input_size} crop"
-            )
+            raise ValueError(f"--resize-size {self.resize_size} is under the --input-size {self.input_size} crop")
         return self
 
     def one(self, path: str) -> BuiltinModel:
         """These settings for the one model file `path`."""
-        return BuiltinModel.model_construct(
-            **{name: getattr(self, name) for name in BuiltinModel.model_fields} | {"model": [path]}
-        )
+        values = {name: getattr(self, name) for name in BuiltinModel.model_fields}
+        return BuiltinModel.model_construct(**values | {"model": [path]})
 
 
 def served_name(path: str) -> str:

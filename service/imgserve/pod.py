@@ -19,9 +19,9 @@ from typing import Any, Literal, NamedTuple
 
 from imgserve.config import (
     CPU_FRONT_ENDS,
+    DEVICE_DECODE_FRONT_END_SHARE,
     GPU_BUSY_GOAL,
     MAX_CPU_WORKERS,
-    MAX_FRONT_ENDS,
     MAX_GPU_WORKERS,
     ServerSettings,
 )
@@ -74,6 +74,7 @@ class PodPlan:
     workers_per_device_why: str
     workers: int
     front_ends: int
+    decode_on_device: bool  # the served API decodes its uploads on the device: the front ends need fewer cores
     codec_threads_per_front_end: int
     torch_threads: TorchThreads
     largest_queue: int  # the most requests the pod may admit, whatever batch sizes its models settle on
@@ -102,14 +103,17 @@ class PodPlan:
 
 
 def plan_pod(
-    settings: ServerSettings, machine: Machine, batch_sizes: Sequence[int | Literal["auto"]] | None = None
+    settings: ServerSettings,
+    machine: Machine,
+    batch_sizes: Sequence[int | Literal["auto"]] | None = None,
+    decode_on_device: bool = False,
 ) -> PodPlan:
     """The pod for these settings on this machine, serving models of these batch sizes (the settings' one model's
-    when none are given)."""
+    when none are given), whose uploads are decoded in the front ends, or on the device (`decode_on_device`)."""
     cuda = machine.device_type == "cuda"
     workers_per_device, why = _workers_per_device(settings, machine)
     workers = machine.devices * workers_per_device
-    front_ends = _front_ends(settings, machine, workers_per_device)
+    front_ends = _front_ends(settings, machine, workers, decode_on_device)
     largest = [AUTO_BATCH_CAP if size == "auto" else size for size in batch_sizes or [settings.max_batch_size]]
     largest_queue = settings.max_queue_depth or sum(largest) * workers * QUEUED_BATCHES_PER_WORKER
     # A front end may hold every admitted request, and as many again given up on whose workers still have them.
@@ -123,6 +127,7 @@ def plan_pod(
         workers_per_device_why=why,
         workers=workers,
         front_ends=front_ends,
+        decode_on_device=decode_on_device,
         codec_threads_per_front_end=max(1, machine.cpus // front_ends),
         torch_threads=_torch_threads(settings, machine, workers),
         largest_queue=largest_queue,
@@ -165,14 +170,17 @@ def _workers_per_device(settings: ServerSettings, machine: Machine) -> tuple[int
     )
 
 
-def _front_ends(settings: ServerSettings, machine: Machine, workers_per_device: int) -> int:
-    """HTTP front ends: on a GPU the cores the workers leave free. On a CPU the workers share the cores with them,
-    and one front end's event loop caps a cheap model: CPU_FRONT_ENDS, at most one per core."""
+def _front_ends(settings: ServerSettings, machine: Machine, workers: int, decode_on_device: bool) -> int:
+    """HTTP front ends: on a GPU every core the workers leave free (reading, decoding and resizing uploads is what
+    feeds the GPU), or DEVICE_DECODE_FRONT_END_SHARE of them where the device decodes the uploads. On a CPU the
+    workers share the cores with them, and one front end's event loop caps a cheap model: CPU_FRONT_ENDS, at most one
+    per core."""
     if settings.api_servers != "auto":
         return settings.api_servers
     if machine.device_type != "cuda":
         return min(machine.cpus, CPU_FRONT_ENDS)
-    return max(1, min(machine.cpus - workers_per_device, MAX_FRONT_ENDS))
+    free = machine.cpus - workers
+    return max(1, math.ceil(free * DEVICE_DECODE_FRONT_END_SHARE) if decode_on_device else free)
 
 
 def _torch_threads(settings: ServerSettings, machine: Machine, workers: int) -> TorchThreads:

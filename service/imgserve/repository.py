@@ -169,7 +169,8 @@ def catalog_of(
     for index, (one, batches) in enumerate(zip(chosen, batching, strict=True)):
         if one.builtin is not None:
             decoding = decodes_in_worker(one.builtin, device_type)
-            api: ImageAPI = ModelAPI(one.builtin, kinds(index), pads(one.builtin, device_type), retry_s, decoding)
+            pad = pads(one.builtin, device_type)
+            api: ImageAPI = ModelAPI(one.builtin, kinds(index), pad, retry_s, decoding, batches.max_batch_size)
             api.api_path = "/predict" if len(chosen) == 1 else f"/{one.name}/predict"
         elif isinstance(one.api, ImageAPI):
             api = one.api

@@ -40,7 +40,7 @@ from imgserve.handoff.dispatch import Dispatcher
 from imgserve.handoff.requests import ModelRequests
 from imgserve.handoff.state import SharedState
 from imgserve.models import outputs
-from imgserve.models.builtin import LocalKinds, ModelAPI, pads
+from imgserve.models.builtin import LocalKinds, ModelAPI, decodes_in_worker, pads
 from imgserve.models.loader import ModelLoadError, check_model_source
 from imgserve.pod import DeviceMemory, PodPlan, available_ram, plan_pod, read_machine
 from imgserve.repository import Chosen, batching_of, catalog_of, chosen_models
@@ -264,7 +264,10 @@ def build(settings: Settings, directory: ServerDirectory, chosen: list[Chosen]) 
     probe = None
     if cuda and settings.workers_per_device == "auto":
         probe = _probe(settings, chosen[0], device_type, directory)
-    plan = plan_pod(settings, read_machine(device_type, devices, free, probe), [b.max_batch_size for b in batching])
+    # The front ends need fewer cores where the device decodes every model's uploads (the built-in's decode_in).
+    on_device = cuda and all(one.builtin is not None and decodes_in_worker(one.builtin, device_type) for one in chosen)
+    machine = read_machine(device_type, devices, free, probe)
+    plan = plan_pod(settings, machine, [b.max_batch_size for b in batching], decode_on_device=on_device)
     for warning in plan.warnings:
         log.warning("%s", warning)
     if plan.passive_openmp:  # workers spawned from now on: OpenMP threads sleep when they wait instead of spinning
@@ -305,7 +308,8 @@ def _loaded_at_start(settings: Settings, catalog: Catalog) -> list[int]:
 def _probe(settings: Settings, first: Chosen, device_type: str, directory: ServerDirectory) -> Any:
     """One probe batch of the first model on the first GPU (workers_per_device auto)."""
     if first.builtin is not None:
-        api: ImageAPI = ModelAPI(first.builtin, LocalKinds(), pads(first.builtin, device_type))
+        pad = pads(first.builtin, device_type)
+        api: ImageAPI = ModelAPI(first.builtin, LocalKinds(), pad, max_batch_size=settings.max_batch_size)
     elif isinstance(first.api, ImageAPI):
         api = first.api
     else:
@@ -333,7 +337,7 @@ def processes(pod: Pod, directory: ServerDirectory, keys: Keys) -> Processes:
         catalog, settings, state, keys, inference, (requests, answers), lambda: telemetry.exposition(collector),
         pod.describe,
     )  # fmt: skip
-    worker_plan = WorkerPlan(directory.slots, plan.torch_threads, settings.trust_pickle)
+    worker_plan = WorkerPlan(directory.slots, plan.torch_threads, settings.trust_pickle, settings.trust_native_code)
     worker = worker_process.WorkerSpec(
         catalog, worker_plan, state, requests, answers, settings.part(Logging), os.getpid(), {}
     )

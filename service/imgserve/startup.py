@@ -72,7 +72,7 @@ def load_weights(
     if model is None:
         return SharedWeights(0, reason="the API loads its own model in setup")
     try:
-        loaded = load_model(model, factory, settings.trust_pickle)
+        loaded = load_model(model, factory, settings.trust_pickle, trust_native_code=settings.trust_native_code)
     except ModelLoadError:
         raise
     except Exception as exc:  # the user's factory or file: one line, as a worker's failure would say it
@@ -85,7 +85,7 @@ def probe_gpu(api: ImageAPI, settings: Settings, weights: SharedWeights) -> GpuP
     """One batch of the API's example request timed on cuda:0: a worker's own CPU seconds and the device's. The API
     is set up here, in the main process, on the weights it shares; then let go."""
     device = torch.device("cuda:0")
-    api.model_loader = shared_model_loader(api, weights, settings.trust_pickle)
+    api.model_loader = shared_model_loader(api, weights, settings.trust_pickle, settings.trust_native_code)
     api.setup(str(device))
     example = api.example_request()
     if example is None:

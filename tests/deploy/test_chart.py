@@ -280,6 +280,32 @@ def test_model_sources(name: str, model: str, volume: str | None) -> None:
         assert {m["mountPath"]: m.get("readOnly", False) for m in init["volumeMounts"]}["/models"] is False
 
 
+@pytest.mark.parametrize(
+    ("name", "volume"), [("defaults", {"emptyDir": {"sizeLimit": "2Gi"}}), ("keda-dcgm", {"persistentVolumeClaim"})]
+)
+def test_the_compile_cache_is_a_volume_of_its_own(name: str, volume: dict | set) -> None:
+    """Compiled code is kept on a volume mounted for it, an emptyDir or an existing PVC, in a folder imgserve makes
+    there; the kubelet leaves a reused volume's permissions alone (imgserve refuses a cache others can write)."""
+    spec = one(name, "Deployment")["spec"]["template"]["spec"]
+    container = server_container(name)
+    (cache,) = [v for v in spec["volumes"] if v["name"] == "compile-cache"]
+    if isinstance(volume, dict):
+        assert {key: value for key, value in cache.items() if key != "name"} == volume
+    else:
+        assert cache["persistentVolumeClaim"] == {"claimName": "imgserve-compiled"}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert mounts["compile-cache"] == "/var/cache/imgserve"
+    assert env_of(container)["IMGSERVE_COMPILE_CACHE_DIR"] == "/var/cache/imgserve/compiled"
+    assert spec["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+
+
+def test_a_compile_cache_directory_in_the_settings_wins() -> None:
+    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--set", "settings.compile_cache_dir=/c/x"]
+    deployment = next(d for d in yaml.safe_load_all(helm(*args).stdout) if d and d["kind"] == "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert env_of(container)["IMGSERVE_COMPILE_CACHE_DIR"] == "/c/x"
+
+
 def test_api_key_from_an_existing_secret() -> None:
     """auth.existingSecret is mounted as a directory (so a rotated Secret reaches the pod) and read as the key file;
     the helm test sends the key, and with protectMetrics so does the ServiceMonitor. Without it, no auth at all."""
@@ -437,6 +463,7 @@ def test_network_policy_admits_helm_test_when_restricted() -> None:
         ("invalid-scale-to-zero-without-wake", "/autoscaling/keda/wakeQuery", "needs autoscaling.keda.wakeQuery"),
         ("invalid-isvc-without-runtime", "/kserve/servingRuntime", "needs kserve.servingRuntime.enabled"),
         ("invalid-models-with-api", "/api", "models and api are exclusive"),
+        ("invalid-compile-cache-without-claim", "/compileCache/claimName", "needs compileCache.claimName"),
     ],
 )
 def test_refused_values(name: str, schema_error: str, template_error: str) -> None:

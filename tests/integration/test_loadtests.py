@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import json
 import subprocess
 import sys
@@ -10,14 +11,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from imgserve.testing import RunningServer, free_port, serve_command
-from loadtests import bench, capacity, gpu_check, latency, overhead, sidebyside, tracing_cost
+from loadtests import bench, capacity, decode, gpu_check, latency, overhead, resnet50, sidebyside, tracing_cost
 from loadtests.lib import closed_loop
 from loadtests.lib.closed_loop import LoadResult, Outcome, run_closed_loop
-from loadtests.lib.images import check_answer, sample_images
+from loadtests.lib.grpc_loop import run_grpc_closed_loop
+from loadtests.lib.images import check_answer, check_scores, sample_images, square_jpegs
 from loadtests.lib.inprocess import Limit
 from loadtests.lib.servers import CpuWindow, running_server
 from loadtests.lib.shapes import SHAPES
@@ -234,7 +238,7 @@ def test_gpu_check_exit_status_ranks_error_over_fail_over_pass() -> None:
 def test_gpu_check_writes_its_table_after_every_check(tmp_path: Path, monkeypatch) -> None:
     """A run cut short (a lent GPU's time is up) still leaves the rows of the checks that finished; a check's error
     row keeps the end of its message, where a server log says why it failed."""
-    out, seen = tmp_path / "gpu_check.md", []
+    out, seen = tmp_path / "checks.md", []
 
     def first(context: gpu_check.Context) -> list[gpu_check.Row]:
         return [gpu_check.Row.of(gpu_check.AUTO, "first one done", True)]
@@ -245,7 +249,7 @@ def test_gpu_check_writes_its_table_after_every_check(tmp_path: Path, monkeypatc
 
     checks = (gpu_check.Check(first, (gpu_check.AUTO,), False), gpu_check.Check(second, (gpu_check.OOM,), False))
     monkeypatch.setattr(gpu_check, "CHECKS", checks)
-    assert gpu_check.main(["--out", str(out)]) == 2
+    assert gpu_check.main(["--out-dir", str(tmp_path)]) == 2
     assert "| first one done |" in seen[0] and gpu_check.OOM not in seen[0]
     assert "the reason at the end | " in out.read_text()
 
@@ -253,18 +257,43 @@ def test_gpu_check_writes_its_table_after_every_check(tmp_path: Path, monkeypatc
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the check runs for real (minutes)")
 def test_gpu_check_runs_on_a_cpu_with_the_gpu_rows_skipped(tmp_path: Path) -> None:
-    out = tmp_path / "gpu_check.md"
-    status = gpu_check.main(["--cell-seconds", "1", "--out", str(out)])
-    table = out.read_text().split("## Overhead benchmark")[0]
-    rows = {line.split(" | ")[0][2:]: line.split(" | ")[-1][:-2] for line in table.splitlines() if line[:2] == "| "}
+    status = gpu_check.main(["--cell-seconds", "1", "--out-dir", str(tmp_path)])
+    table = (tmp_path / "checks.md").read_text()
+    cells = [line.split(" | ") for line in table.splitlines() if line[:2] == "| "]
+    rows = {cell[0][2:]: cell[-1][:-2] for cell in cells}
+    why = {cell[0][2:]: cell[1] for cell in cells}
     assert set(gpu_check.GOALS) <= set(rows)
     gpu_rows = {gpu_check.CUDA, gpu_check.NVML, gpu_check.FP16, gpu_check.BF16, gpu_check.AUTO, gpu_check.FLOOD}
-    assert {rows[name] for name in gpu_rows | {gpu_check.OOM}} == {gpu_check.SKIPPED}
+    gpu_rows |= {gpu_check.OOM, gpu_check.RESNET_COMPILED, gpu_check.RESNET_HTTP, gpu_check.RESNET_GRPC}
+    gpu_rows |= set(gpu_check.DEVICE_DECODE)
+    assert {rows[name] for name in gpu_rows} == {gpu_check.SKIPPED}
+    assert {why[name] for name in gpu_rows} == {"no CUDA device"}  # each skipped row says why
     assert rows[gpu_check.SEED] == gpu_check.INFO  # measured; its goal is a GPU's
     overhead_rows = [gpu_check.overhead_row(target) for target in overhead.TARGETS]
     assert {rows[name] for name in overhead_rows} <= {gpu_check.PASS, gpu_check.FAIL}
     assert status in (0, 1)  # 2 would be a check that raised
-    assert "| 1024x1024 | 16 |" in out.read_text()  # the overhead report follows the table
+    assert "| 1024x1024 | 16 |" in (tmp_path / "overhead.md").read_text()  # the overhead report, beside the table
+
+
+def test_the_device_decode_check_times_the_workers_decode_and_pillow_on_the_cores(tmp_path: Path, monkeypatch) -> None:
+    """LABELLED STAND-IN (no GPU here): the batched decoder is Pillow on the CPU and cuda:0 is the CPU, so the check's
+    own code runs (the uploads read, both rates timed, a row per size); its numbers are the GPU's only on a GPU."""
+
+    def stand_in(datas: list[bytes], device: torch.device) -> list[torch.Tensor]:
+        return [torch.from_numpy(np.array(Image.open(io.BytesIO(data)).convert("RGB"))) for data in datas]
+
+    monkeypatch.setattr(gpu_check, "gpu_jpeg_decoder", lambda: stand_in)
+    monkeypatch.setattr(gpu_check, "DECODE_DEVICE", "cpu")
+    rows = gpu_check.check_device_decode(gpu_check.Context(cuda=True, log_dir=tmp_path, cell_seconds=0.2))
+    assert [row.check for row in rows] == list(gpu_check.DEVICE_DECODE)
+    assert all(row.status in (gpu_check.PASS, gpu_check.FAIL) and "images/s" in row.result for row in rows), rows
+
+
+def test_the_device_decode_rows_say_why_they_are_skipped_without_torchvision(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(gpu_check, "gpu_jpeg_decoder", lambda: None)
+    rows = gpu_check.check_device_decode(gpu_check.Context(cuda=True, log_dir=tmp_path, cell_seconds=1))
+    why = "torchvision's GPU JPEG decoder is not installed"
+    assert {(row.status, row.result) for row in rows} == {(gpu_check.SKIPPED, why)}
 
 
 def test_the_cpu_window_counts_the_measured_window_not_the_warm_up_or_the_tail(tmp_path: Path) -> None:
@@ -284,3 +313,61 @@ def test_the_cpu_window_counts_the_measured_window_not_the_warm_up_or_the_tail(t
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_the_grpc_load_generator_drives_modelinfer_and_counts_answers(tmp_path: Path) -> None:
+    """The GPU check's gRPC users, against a real server's gRPC port: every request answered, none failed."""
+    port, grpc_port = free_port(), free_port()
+    with running_server(serve_command(port, grpc_port), port, tmp_path / "log", "/health/ready") as server:
+        result = run_grpc_closed_loop(f"127.0.0.1:{grpc_port}", "denoiser", 4, 1.5, 0.5, square_jpegs(64))
+        rejected = run_grpc_closed_loop(f"127.0.0.1:{grpc_port}", "nope", 1, 0.5, 0.0, square_jpegs(64))
+    assert result.failed == 0 and len(result.answered) >= 4, result.errors()
+    assert result.latency_ms(0.5) > 0 and server.url
+    assert rejected.failed > 0 and "NOT_FOUND" in rejected.errors()[0]  # a wrong answer is a failure, not a pass
+
+
+def test_check_scores_takes_a_classifiers_answer_only() -> None:
+    image = sample_images()[0]
+    assert check_scores(image, 200, "application/json", b'{"top_k": [{"index": 3, "score": 0.9}]}') is None
+    assert check_scores(image, 200, "image/jpeg", image.data).startswith("not a classifier's answer")
+    assert check_scores(image, 200, "application/json", b'{"top_k": []}').startswith("no scores")
+    assert check_scores(image, 503, "application/json", b"{}").startswith("HTTP 503")
+
+
+def test_decode_reports_whole_and_reduced_decodes_and_the_input_difference(tmp_path: Path) -> None:
+    out = tmp_path / "decode.md"
+    assert decode.main(["--seconds", "0.05", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line[:2] == "| " and line[2].isdigit()]
+    assert [row.split(" | ")[0][2:] for row in rows] == [f"{w}x{h}" for w, h in decode.SIZES for _ in (0, 1)]
+    assert "| 1024x1024 | photo-like | 256x256 |" in out.read_text()
+    assert "| 500x375 | photo-like | 500x375 |" in out.read_text()  # no smaller scale keeps 256 px
+    assert "**met**" in out.read_text()
+
+
+@pytest.mark.parametrize(("compiled", "met"), [(24.0, True), (23.9, False)])
+def test_resnet50_holds_the_compiled_server_to_1_2x_the_eager_one(compiled: float, met: bool) -> None:
+    plan = resnet50.cells(limit_per_s=30.0)
+    results = sidebyside.Results()
+    for cell in plan:
+        results.add((cell.name, resnet50.EAGER), 20.0, 100.0, 200.0, 50.0)
+        results.add((cell.name, resnet50.COMPILED), compiled, 90.0, 180.0, 40.0)
+    alone = resnet50.Alone(
+        {resnet50.EAGER: 14.0, resnet50.COMPILED: 18.0}, {resnet50.EAGER: 1.0, resnet50.COMPILED: 16.0}
+    )
+    compiled_log = (
+        "x model compiled for batches of 1 to 8 on 2 and 1 threads in {} s: 4 graphs, {} of them from the cache"
+    )
+    starts = {
+        resnet50.EAGER: [resnet50.Started(9.0, "")],
+        resnet50.COMPILED: [
+            resnet50.Started(90.0, compiled_log.format(80.5, 0) + "\n" + compiled_log.format(81.0, 4)),
+            resnet50.Started(12.0, compiled_log.format(3.5, 4)),
+        ],
+    }
+    report = resnet50.render(alone, results, plan, starts, 2)
+    assert report.count("**met**" if met else "**missed**") == (3 if met else 2)  # the second start: met
+    assert "| eager | 14.0 | 1.0 | 28.0 |" in report and "| compiled | 18.0 | 16.0 | 36.0 |" in report
+    assert (
+        "compiled, empty cache 90.0 s (its workers' compile, one at a time: 80.5 s (0 of 4 graphs cached) + " in report
+    )
+    assert "the same cache again 12.0 s (3.5 s (4 of 4 graphs cached))." in report

@@ -95,7 +95,7 @@ def test_a_new_server_removes_the_directories_of_dead_servers_only(tmp_path: Pat
 
 def worker_plan(slot_dir: Path, batch_size: int, threads: TorchThreads = ONE_THREAD) -> tuple[WorkerPlan, Batching]:
     """One worker alone on its device, loading its own copy of the model; its batching."""
-    return WorkerPlan(slot_dir, threads, False), Batching(max_batch_size=batch_size)
+    return WorkerPlan(slot_dir, threads, False, False), Batching(max_batch_size=batch_size)
 
 
 def set_up(api: ImageAPI, state: SharedState, plan: tuple[WorkerPlan, Batching]) -> Worker:

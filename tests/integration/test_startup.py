@@ -47,7 +47,7 @@ def imgserve(*flags: str, cwd: Path | None = None) -> subprocess.CompletedProces
         (["--mean", "0.5,0.5"], "imgserve: invalid settings: --mean: expects three comma-separated numbers R,G,B"),
         (
             ["--preprocess", "imagenet", "--input-size", "300"],
-            "imgserve: invalid settings: --resize-size 256 is smaller than the --input-size 300 crop",
+            "imgserve: invalid settings: --resize-size 256 is under the --input-size 300 crop",
         ),
     ],
 )

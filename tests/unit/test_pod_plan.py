@@ -104,10 +104,31 @@ def test_a_cpu_pod_runs_two_front_ends_at_most_one_per_core(cpus: int, front_end
 
 
 def test_a_gpu_pod_leaves_the_workers_cores_to_the_front_ends() -> None:
+    """A 16-core host with one GPU: every core the workers leave decodes uploads (no cap of 4, which left most of
+    them idle while the GPU waited on decoding)."""
     probe = GpuProbe(8, "256x256 images", cpu_s=0.060, device_s=0.020)
     plan = plan_pod(Settings(), machine(cpus=16, device_type="cuda", probe=probe))
-    assert (plan.workers_per_device, plan.front_ends, plan.codec_threads_per_front_end) == (4, 4, 4)
+    assert (plan.workers_per_device, plan.front_ends, plan.codec_threads_per_front_end) == (4, 12, 1)
+    light = GpuProbe(8, "224x224 images", cpu_s=0.001, device_s=0.050)
+    plan = plan_pod(Settings(), machine(cpus=16, device_type="cuda", probe=light))
+    assert (plan.workers, plan.front_ends, plan.decode_on_device) == (1, 15, False)
     assert plan_pod(Settings(), machine(cpus=2, device_type="cuda")).front_ends == 1
+    two_gpus = plan_pod(Settings(workers_per_device="2"), machine(cpus=16, device_type="cuda", devices=2))
+    assert (two_gpus.workers, two_gpus.front_ends) == (4, 12)  # every worker's core is taken, on every device
+
+
+def test_where_the_device_decodes_the_front_ends_get_fewer_cores() -> None:
+    """The same 16-core host with one GPU, with an API that decodes its uploads on the device: a front end then only
+    reads and hands over the bytes, so it needs a share of the cores the workers leave."""
+    light = GpuProbe(8, "224x224 images", cpu_s=0.001, device_s=0.050)
+    plan = plan_pod(Settings(), machine(cpus=16, device_type="cuda", probe=light), decode_on_device=True)
+    assert (plan.workers, plan.front_ends, plan.decode_on_device) == (1, 8, True)
+    assert plan.describe()["decode_on_device"] is True  # /info shows why there are fewer
+    assert plan_pod(Settings(), machine(cpus=2, device_type="cuda"), decode_on_device=True).front_ends == 1
+    chosen = plan_pod(Settings(api_servers="6"), machine(cpus=16, device_type="cuda"), decode_on_device=True)
+    assert chosen.front_ends == 6  # a count the user chose holds
+    on_a_cpu = plan_pod(Settings(), machine(cpus=16), decode_on_device=True)
+    assert on_a_cpu.front_ends == 2  # a CPU's front ends are bounded by their event loops, not by decoding
 
 
 def test_a_small_dev_shm_or_little_free_memory_is_a_warning() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -9,10 +12,11 @@ from reference import IMAGENET_MEAN, IMAGENET_STD, photo, to_tensor, torchvision
 from toy_models import Recording
 
 from imgserve.api import Request
-from imgserve.codec import open_image
+from imgserve.codec import full_size, open_image
 from imgserve.config import Settings
 from imgserve.models.builtin import LocalKinds, ModelAPI
 from imgserve.models.preprocess import Geometry, Prepared, Preprocess
+from imgserve.models.synthetic import clean_image
 from imgserve.testing import InProcess
 
 
@@ -59,3 +63,50 @@ def test_geometry_maps_model_input_points_back_to_the_upload() -> None:
     assert squashed.geometry.to_original(100, 100) == (400, 50)
     shorter_side = Preprocess(resize_size=20)(Image.new("RGB", (40, 80)))
     assert shorter_side.pixels.shape == (40, 20, 3) and shorter_side.geometry.crop == (0, 0, 20, 40)
+
+
+REDUCED_TOLERANCE = 1.0  # mean |difference| of the model's uint8 input from a full decode's (docs/models.md)
+
+
+def photo_jpeg(width: int, height: int, **options: object) -> bytes:
+    """A photo-like JPEG (gradient, shapes, soft texture) at quality 90."""
+    pixels = clean_image(np.random.default_rng(width + height), height, width)
+    buffer = io.BytesIO()
+    Image.fromarray((pixels * 255).round().astype(np.uint8)).save(buffer, format="JPEG", quality=90, **options)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(("width", "height", "decoded"), [(1024, 1024, (256, 256)), (1920, 1080, (480, 270))])
+def test_a_large_jpeg_is_decoded_no_larger_than_imagenet_preprocessing_needs(
+    width: int, height: int, decoded: tuple[int, int]
+) -> None:
+    """libjpeg's DCT scaling decodes a quarter of each side, still at least the 256 the resize needs; the model's
+    input is within the stated tolerance of a full decode's, and its geometry is the upload's own."""
+    data = photo_jpeg(width, height)
+    reduced = open_image(data, 10**8, at_least=256)
+    assert (reduced.size, full_size(reduced)) == (decoded, (width, height))
+    api = ModelAPI(Settings(preprocess="imagenet"), LocalKinds(), pad=False)
+    request = Request(body=data, content_type="image/jpeg")
+    served = api.decode_request(request)
+    full = prepare(data, Preprocess(256, 224))
+    assert served.shape == full.pixels.shape == (224, 224, 3)
+    assert request.context["geometry"] == full.geometry
+    difference = np.abs(served.astype(np.float32) - full.pixels.astype(np.float32))
+    assert 0 < difference.mean() <= REDUCED_TOLERANCE, difference.mean()
+
+
+def test_a_rotated_jpeg_keeps_its_upright_full_size() -> None:
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored 1920x1080, shown rotated a quarter turn: 1080x1920
+    reduced = open_image(photo_jpeg(1920, 1080, exif=exif), 10**8, at_least=256)
+    assert (reduced.size, full_size(reduced)) == ((270, 480), (1080, 1920))
+
+
+@pytest.mark.parametrize(
+    ("data", "at_least"),
+    [(photo(1024, 1024), 256), (photo_jpeg(500, 375), 256), (photo_jpeg(1024, 1024), 600)],
+    ids=["png", "no smaller scale fits 500x375", "1/2 would be under 600"],
+)
+def test_an_image_no_scale_can_reduce_is_decoded_whole(data: bytes, at_least: int) -> None:
+    image = open_image(data, 10**8, at_least=at_least)
+    assert image.size == full_size(image) == Image.open(io.BytesIO(data)).size

@@ -128,10 +128,19 @@ YAML map from setting name (upper case) to its string value. */}}
 {{- end }}
 {{- end }}
 
-{{/* The Deployment's IMGSERVE_*: the settings, the ports, the model repository and its control, and the API key
-file. */}}
+{{/* Where the compile cache's volume is mounted; imgserve keeps its code in a folder it makes there (mode 0700: the
+volume's own root is group-writable under fsGroup). */}}
+{{- define "imgserve.compileCacheMount" -}}
+/var/cache/imgserve
+{{- end }}
+
+{{/* The Deployment's IMGSERVE_*: the settings, the ports, the model repository and its control, the compile cache
+and the API key file. */}}
 {{- define "imgserve.env" -}}
 {{- $env := include "imgserve.settingsEnv" . | fromYaml }}
+{{- if not (hasKey $env "COMPILE_CACHE_DIR") }}
+{{- $_ := set $env "COMPILE_CACHE_DIR" (printf "%s/compiled" (include "imgserve.compileCacheMount" .)) }}
+{{- end }}
 {{- $_ := set $env "PORT" (toString .Values.containerPort) }}
 {{- $_ := set $env "GRPC_PORT" (toString .Values.grpcPort) }}
 {{- $_ := set $env "HOST" "0.0.0.0" }}
@@ -236,6 +245,9 @@ sum(imgserve_queue_depth{ {{- include "imgserve.podSelector" . -}} })
 {{- fail "model.source=pvc or init needs model.file (the file under /models)" }}
 {{- end }}
 {{- include "imgserve.validateModels" . }}
+{{- if and (eq .Values.compileCache.source "pvc") (not .Values.compileCache.claimName) }}
+{{- fail "compileCache.source=pvc needs compileCache.claimName" }}
+{{- end }}
 {{- if and (eq .Values.model.source "init") (not .Values.model.init.command) }}
 {{- fail "model.source=init needs model.init.command (it writes the model into /models)" }}
 {{- end }}

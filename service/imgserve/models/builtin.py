@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -89,8 +89,9 @@ class ModelAPI(ImageAPI):
         pad: bool,
         retry_after_s: int = 1,
         decode_in_worker: bool = False,
+        max_batch_size: int | Literal["auto"] = "auto",
     ) -> None:
-        super().__init__()
+        super().__init__(max_batch_size)  # the largest batch a compiled model is warmed up on
         self.settings, self.kinds, self.retry_after_s = settings, kinds, retry_after_s
         self.decode_in_worker = decode_in_worker  # uploads left encoded, decoded and cut next to the batch
         self.model, self.model_factory = settings.model[0], settings.model_factory  # type: ignore[misc]
@@ -116,21 +117,35 @@ class ModelAPI(ImageAPI):
 
     # In each inference worker.
     def setup(self, device: str) -> None:
-        """Load the model (its weights shared among the device's workers), warm it up on a probe image, and decide
-        from that output what the model answers (image, classify, segment or detect); the labels must name every
-        class."""
+        """Load the model (its weights shared among the device's workers), warm it up on a probe image (compiled:
+        at every batch size it can run), and decide from that output what the model answers (image, classify,
+        segment or detect); the labels must name every class."""
         model = self.load_model(device)
-        self.runner = ModelRunner.for_settings(model, torch.device(device), self.settings)
+        self.runner = ModelRunner.for_settings(model, torch.device(device), self.settings, self.batching[0] or "auto")
         side = self.probe_side
         probe = torch.randint(0, 256, (1, side, side, 3), dtype=torch.uint8)
         try:
-            warmup = self.runner.first_forward(probe)
+            warmup = self.runner.warm_up(probe, self.batch_sizes(), self.thread_counts(device))
         except Exception as exc:
             failure = f"the model failed warm-up on {device} with a {side}x{side} image: {type(exc).__name__}: {exc}"
             raise ModelLoadError(failure) from None
         self.worker_kind = outputs.decide(warmup, self.settings.task)
         outputs.check_labels(list(self.labels), outputs.class_count(self.worker_kind, warmup), self.settings.labels)
         self.kinds.set_task(self.worker_kind)
+
+    def batch_sizes(self) -> list[int]:
+        """The batch sizes a compiled model is warmed up on: every size up to max_batch_size (torch compiles a graph
+        for a batch of one and one for larger batches, but a kernel choice of its own can split those further). With
+        max_batch_size auto, which is measured after this, 1 and 2."""
+        largest = self.batching[0]
+        return [1, *range(largest if isinstance(largest, int) else 2, 1, -1)]
+
+    @staticmethod
+    def thread_counts(device: str) -> list[int]:
+        """The torch thread counts a compiled model is warmed up on: the worker's, and on a CPU half of it too, which
+        the worker runs its batches on while other requests are in flight (pod.py's rule)."""
+        threads = torch.get_num_threads()
+        return [threads] if device != "cpu" else sorted({threads, max(1, threads // 2)}, reverse=True)
 
     def batch(self, inputs: list[Any]) -> Batch:
         return Batch(self.runner.pixel_batch(inputs), [(image.shape[0], image.shape[1]) for image in inputs])
@@ -161,7 +176,8 @@ class ModelAPI(ImageAPI):
             request.context["params"] = PredictParams.parse({**request.form, **request.query})
         encoded = request.encoded_image() if self.decode_in_worker else None
         if encoded is None:
-            pixels, request.context["geometry"] = self.preprocess(request.open_image())
+            image = request.open_image(at_least=self.preprocess.least_side)  # a JPEG decoded no larger than needed
+            pixels, request.context["geometry"] = self.preprocess(image)
             return pixels
         geometry = request.context["geometry"] = self.preprocess.geometry(encoded.width, encoded.height)
         return encoded.cut(geometry.resized, geometry.crop, self.preprocess.interpolation)

@@ -17,6 +17,7 @@ import torch
 
 from imgserve.config import BUILTIN_MODEL
 from imgserve.models.exported import unsafe_reason
+from imgserve.models.native import NativeModule, is_native_package
 
 Weights = dict[str, torch.Tensor]
 
@@ -48,15 +49,30 @@ def check_model_source(spec: str, factory: str | None) -> None:
 
 
 def load_model(
-    spec: str, factory: str | None = None, trust_pickle: bool = False, shared: Weights | None = None
+    spec: str,
+    factory: str | None = None,
+    trust_pickle: bool = False,
+    shared: Weights | None = None,
+    *,
+    trust_native_code: bool = False,
 ) -> torch.nn.Module:
     """The model in eval mode on the CPU; with `shared` (the tensors of the main process's one copy, see
     models/shared.py), those tensors become its parameters and buffers and its own are never loaded (factory
-    formats and the built-in model: built on the meta device) or dropped (TorchScript, torch.export, a pickle)."""
+    formats and the built-in model: built on the meta device) or dropped (TorchScript, torch.export, a pickle).
+    An AOTInductor package loads only with `trust_native_code` (models/native.py)."""
     check_model_source(spec, factory)
     if shared is not None and (spec == BUILTIN_MODEL or factory):
         return _built_around(_builder(spec, factory), shared)
-    model = _load(Path(spec), factory, trust_pickle, lazy=shared is not None)
+    path = Path(spec)
+    if path.suffix == ".pt2" and is_native_package(path):
+        if not trust_native_code:
+            raise ModelLoadError(
+                f"{path} is an AOTInductor package: native code that would run as the server. "
+                "Pass --trust-native-code if you trust its author."
+            )
+        model: torch.nn.Module = NativeModule(path)
+    else:
+        model = _load(path, factory, trust_pickle, lazy=shared is not None)
     return model if shared is None else adopt(model, shared)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from imgserve import codec
 from imgserve.config import BuiltinModel
 
 FILTERS = {
@@ -51,9 +52,17 @@ class Preprocess:
     def from_settings(cls, settings: BuiltinModel) -> Preprocess:
         return cls(settings.resize_size, settings.input_size, settings.interpolation)
 
+    @property
+    def least_side(self) -> int | None:
+        """How small the decoded image's sides may be for this resize (None: it is not resized): what
+        `codec.open_image` may decode a JPEG down to."""
+        return self.resize_size or self.input_size
+
     def __call__(self, image: Image.Image) -> Prepared:
-        geometry = self.geometry(*image.size)
-        if geometry.resized != geometry.original:
+        """The model's input from the decoded upload (which may have been decoded at a reduced scale: the geometry
+        is the upload's own)."""
+        geometry = self.geometry(*codec.full_size(image))
+        if geometry.resized != image.size:
             image = image.resize(geometry.resized, FILTERS[self.interpolation])
         if geometry.crop[2:] != geometry.resized:
             left, top, width, height = geometry.crop

@@ -1,22 +1,24 @@
 """Running an image model lean: a chunk's uint8 HxWx3 images read once into one uint8 NxHxWx3 buffer (pinned on
 CUDA, so it crosses to the device at a quarter of float32's bytes), converted on the device into float NCHW over
 NHWC memory (channels_last, a free view), normalized there, and the model called under inference mode (autocast
-for fp16/bf16). The buffers are reused from batch to batch: on a CPU a fresh 100 MB tensor costs more in page
-faults than the work done in it.
+for fp16/bf16), eagerly or compiled (models/compiled.py). The buffers are reused from batch to batch: on a CPU a
+fresh 100 MB tensor costs more in page faults than the work done in it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from imgserve.config import BuiltinModel
-from imgserve.models import preprocess
+from imgserve.models import compiled, preprocess
+from imgserve.models.native import NativeModule
 
 log = logging.getLogger(__name__)
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -40,18 +42,34 @@ class ModelRunner:
         self.mean, self.std = mean, std
         self._buffers: dict[str, torch.Tensor] = {}
         self._use_layout(channels_last)
+        self.call: Callable[[torch.Tensor], Any] = model  # or the model compiled (`compile`)
+        self.compile_required = False
 
     @classmethod
-    def for_settings(cls, model: torch.nn.Module, device: torch.device, settings: BuiltinModel) -> ModelRunner:
-        """The runner the built-in API uses for `settings` on `device`."""
-        return cls(
+    def for_settings(
+        cls,
+        model: torch.nn.Module,
+        device: torch.device,
+        settings: BuiltinModel,
+        max_batch_size: int | Literal["auto"] = "auto",
+    ) -> ModelRunner:
+        """The runner the built-in API uses for `settings` on `device` (an AOTInductor package takes NCHW), compiled
+        for batches up to `max_batch_size` where compiled."""
+        runner = cls(
             model,
             device,
             precision=settings.precision,
-            channels_last=settings.channels_last,
+            channels_last=settings.channels_last and not isinstance(model, NativeModule),
             mean=settings.mean,
             std=settings.std,
         )
+        fixed_size = settings.input_size is not None
+        if compiled.wanted(settings.compile, device.type, model, fixed_size):
+            cache = compiled.cache_directory(settings.compile_cache_dir)
+            key = compiled.warm_key(settings, max_batch_size, device.type)
+            runner.call = compiled.CompiledModel(model, cache, any_size=not fixed_size, warm_key=key)
+            runner.compile_required = bool(settings.compile)
+        return runner
 
     def _use_layout(self, channels_last: bool) -> None:
         """NHWC (channels_last) or NCHW memory for the model's weights and every batch."""
@@ -97,7 +115,38 @@ class ModelRunner:
                 if not self.channels_last:
                     inputs = inputs.contiguous()
             with autocast:
-                return self.model(inputs)
+                return self.call(inputs)
+
+    def warm_up(self, probe: torch.Tensor, sizes: list[int], threads: list[int]) -> Any:
+        """The first call, on a uint8 1xHxWx3 `probe` (`first_forward`); a compiled model is then warmed up on
+        batches of `sizes` of it on each count of `threads` (`CompiledModel.warm_up`), so that no request waits for a
+        compile. Where the model was compiled only by default, a compile that fails (a host without a C++
+        compiler, a model torch cannot trace) leaves it eager, with a warning. Returns the first call's output."""
+        if not isinstance(self.call, compiled.CompiledModel):
+            return self.first_forward(probe)
+        started, layout, own_threads = time.perf_counter(), self.channels_last, torch.get_num_threads()
+        try:
+            with self.call.compiling():
+                output = self.first_forward(probe)
+                self.call.warm_up(lambda size: self.forward(probe.expand(size, -1, -1, -1)), sizes, threads)
+        except Exception as exc:
+            if self.compile_required:
+                raise
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+            log.warning("torch.compile failed (%s): running the model eagerly", reason)
+            self.call = self.model
+            self._use_layout(layout)
+            return self.first_forward(probe)
+        finally:
+            torch.set_num_threads(own_threads)
+        log.info(
+            "model compiled for batches of 1 to %d on %s threads in %.1f s: %s",
+            max(sizes),
+            " and ".join(map(str, threads)),
+            time.perf_counter() - started,
+            self.call.describe(),
+        )
+        return output
 
     def first_forward(self, batch: torch.Tensor) -> Any:
         """The warm-up call; a model that refuses channels_last input (e.g. it .view()s it) falls back to NCHW."""

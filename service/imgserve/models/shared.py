@@ -23,6 +23,7 @@ import torch
 import torch.multiprocessing  # noqa: F401 - registers the tensor reducers (CUDA IPC handles) on ForkingPickler
 
 from imgserve.models.loader import for_inference
+from imgserve.models.native import NativeModule
 
 log = logging.getLogger(__name__)
 FILE_NAME = "weights.safetensors"
@@ -34,6 +35,7 @@ PRIVATE_PER_WORKER = {
     "torchscript": "tensor constants folded into the graph (all the weights of a torch.jit.freeze'd module)",
     "torch.export": "tensor constants lifted into the graph (not parameters or buffers)",
     "module": "nothing",
+    "aotinductor": "all the weights (they are inside the compiled package)",
 }
 
 
@@ -129,6 +131,8 @@ def prepare(
 
 
 def _kind(model: torch.nn.Module) -> str:
+    if isinstance(model, NativeModule):
+        return "aotinductor"
     if isinstance(model, torch.jit.ScriptModule):
         return "torchscript"
     return "torch.export" if isinstance(model, torch.fx.GraphModule) else "module"

@@ -92,7 +92,8 @@ def _alone(upload: EncodedImage, device: torch.device, batched: BatchedJpegDecod
         except Exception:
             log.debug("the GPU decoder failed on one JPEG: decoded on the CPU", exc_info=True)
     try:
-        image = codec.open_image(upload.data, upload.width * upload.height)  # the header's size, checked
+        at_least = min(upload.resize) if upload.resize else None  # a JPEG decoded no larger, as in the front end
+        image = codec.open_image(upload.data, upload.width * upload.height, at_least)  # the header's size, checked
         if batched is None and device.type == "cpu":
             return torch.from_numpy(np.array(_cut_image(image, upload)))
         return cut_tensor(torch.from_numpy(np.array(image)).to(device), upload)

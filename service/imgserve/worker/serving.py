@@ -47,11 +47,12 @@ INLINE_BYTES = 64 * 1024  # outputs up to this size (class scores) travel in the
 @dataclass(frozen=True)
 class WorkerPlan:
     """What the composition root decided for every worker: where the slots are, its torch threads, and whether
-    model files may run code."""
+    model files may run code (a pickle, an AOTInductor package's native code)."""
 
     slot_directory: Path
     torch_threads: TorchThreads
     trust_pickle: bool
+    trust_native_code: bool
 
 
 class Worker:
@@ -73,7 +74,7 @@ class Worker:
         served, device = self.catalog[model], self.device
         api = copy.copy(served.api)  # set up fresh at each load; let go with its runner when unloaded
         try:
-            api.model_loader = shared_model_loader(api, weights, self.plan.trust_pickle)
+            api.model_loader = shared_model_loader(api, weights, self.plan.trust_pickle, self.plan.trust_native_code)
             _reported(f"the API's setup failed on {device}", api.setup, device)
             api.device = device  # as LitServe sets it after setup
             runner = BatchRunner(api, torch.device(device), on_oom=metrics.OOM_SPLITS.labels(served.name).inc)
@@ -81,6 +82,7 @@ class Worker:
                 measured = _reported("the API failed on its example request", _measure, runner)
         except ModelLoadError as exc:
             reason = f"model {served.name}: {exc}" if len(self.catalog) > 1 else str(exc)  # which, among several
+            reason = " ".join(reason.split())  # one line, whatever the exception's message held
             self.state.models.note_failure(model, reason)
             self.state.models.hold(self.index, model, FAILED)
             raise ModelLoadError(reason) from exc
@@ -228,14 +230,17 @@ def _reported(failure: str, step: Callable[..., Any], *args: Any) -> Any:
         raise ModelLoadError(" ".join(f"{failure}: {type(exc).__name__}: {exc}".split())) from exc
 
 
-def shared_model_loader(api: ImageAPI, weights: SharedWeights, trust_pickle: bool) -> Callable[[str], torch.nn.Module]:
+def shared_model_loader(
+    api: ImageAPI, weights: SharedWeights, trust_pickle: bool, trust_native_code: bool
+) -> Callable[[str], torch.nn.Module]:
     """What `ImageAPI.load_model` calls in a worker: the API's model file, built around the device's shared weights
-    (a private copy when they are not shared)."""
+    (a private copy when they are not shared), loaded as far as the trust flags allow."""
 
     def load(device: str) -> torch.nn.Module:
         if api.model is None:
             raise ModelLoadError(f"{type(api).__name__}.load_model() needs the class attribute `model` (a file path)")
         shared = weights.tensors(device) if weights.shared else None
-        return load_model(api.model, api.model_factory, trust_pickle, shared).to(device)
+        model = load_model(api.model, api.model_factory, trust_pickle, shared, trust_native_code=trust_native_code)
+        return model.to(device)
 
     return load

@@ -1,0 +1,152 @@
+"""torch.compile for the built-in API: the model compiled in each inference worker before the server is ready, for
+every batch size the worker can run, with the compiled code kept in a private directory, so a restart with the same
+model, device and torch reuses it instead of compiling again.
+
+One compile serves many shapes. The batch dimension is marked dynamic (and the height and width too, where the model
+takes any size), so torch compiles one graph for a batch of one (it specializes sizes 0 and 1) and one for larger
+batches, which a kernel choice of its own may split further; torch also guards each graph on the thread count it
+was compiled at. `warm_up` runs every batch size on each thread count the worker uses before it reports ready. A
+graph compiled after that is one a request waited for: it is counted (`late_graphs`) and logged.
+
+Compiled CPU kernels keep the thread count they were compiled at (kernels that read it at run time,
+`cpp.dynamic_threads`, ran the ResNet-50 about a third slower), so each of the worker's two thread counts, alone and
+under load, gets kernels of its own. Torch runs the code it finds in the cache directory, so that directory must be
+this user's, writable by no other (`cache_directory`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import stat
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from imgserve.config import COMPILED_BY_DEFAULT, BuiltinModel
+from imgserve.models.loader import ModelLoadError
+from imgserve.models.native import NativeModule
+
+log = logging.getLogger(__name__)
+CACHE_FOLDER = Path("imgserve", "compiled")  # under $XDG_CACHE_HOME (~/.cache) when no directory is set
+LOCK = "imgserve.lock"  # in the cache directory: held by the process that is compiling into it
+SHARED_WRITE = stat.S_IWGRP | stat.S_IWOTH
+
+
+def wanted(setting: bool | None, device_type: str, model: torch.nn.Module, fixed_size: bool) -> bool:
+    """Whether the model runs compiled: --compile / --no-compile, else the device kind's default for a model of a
+    fixed input size (one that takes any size may be compiled again for a new one, on a request). A TorchScript
+    module or an AOTInductor package never is (torch.compile cannot trace the one, the other is compiled already); an
+    explicit --compile for one is refused."""
+    kind = "a TorchScript model" if isinstance(model, torch.jit.ScriptModule) else None
+    kind = "an AOTInductor package" if isinstance(model, NativeModule) else kind
+    if kind and setting:
+        raise ModelLoadError(f"--compile does not apply to {kind}: serve it without --compile, or a torch.export .pt2")
+    if setting is None:
+        return not kind and fixed_size and COMPILED_BY_DEFAULT[device_type]
+    return not kind and setting
+
+
+def cache_directory(setting: str | None) -> Path:
+    """Where compiled code is kept: `setting`, else $XDG_CACHE_HOME/imgserve/compiled. Made (mode 0700) if missing;
+    refused unless it is a directory of this user's that no other user can write."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    path = Path(setting) if setting else base / CACHE_FOLDER
+    problem = f"--compile-cache-dir {path} is not a directory of this user's that only it can write"
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        facts = path.lstat()
+    except OSError as exc:
+        raise ModelLoadError(f"{problem} ({exc})") from None
+    if not stat.S_ISDIR(facts.st_mode) or facts.st_uid != os.getuid() or facts.st_mode & SHARED_WRITE:
+        raise ModelLoadError(f"{problem}: torch would run the compiled code another user put there")
+    return path
+
+
+def _thread_lock_for_tqdm() -> None:
+    """torch.fx builds a (hidden) tqdm progress bar while compiling, and tqdm's first bar makes a multiprocessing
+    lock: a semaphore the main process reports as leaked, in a warning after imgserve's last line, whenever a worker
+    is stopped. A thread lock does as well in a worker."""
+    with contextlib.suppress(ImportError):
+        import tqdm
+
+        tqdm.tqdm.set_lock(threading.RLock())
+
+
+def warm_key(settings: BuiltinModel, max_batch_size: int | Literal["auto"], device: str) -> str:
+    """What names a warm-up's code in the cache: the model file (path, size and time), the settings that shape its
+    graphs, the device kind, the worker's threads and torch's version. A wrong match costs time, never correctness:
+    the workers then compile beside each other, or one after the other."""
+    model = settings.model[0]
+    path = Path(model)
+    facts = path.stat() if path.is_file() else None
+    shape = (settings.input_size, max_batch_size, settings.precision, settings.channels_last)
+    found = [model, facts and (facts.st_size, facts.st_mtime_ns), shape, device, torch.get_num_threads()]
+    return hashlib.sha256(repr([*found, torch.__version__]).encode()).hexdigest()[:16]
+
+
+def graphs_compiled() -> int:
+    """Graphs torch.compile has compiled in this process (dynamo's own counter)."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+class CompiledModel:
+    """A model under torch.compile, its code cached in `cache`; `any_size`: the height and width vary too."""
+
+    def __init__(self, model: torch.nn.Module, cache: Path, any_size: bool, warm_key: str) -> None:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # read when the first graph is compiled
+        _thread_lock_for_tqdm()
+        self.function: Callable[[torch.Tensor], Any] = torch.compile(model)
+        self.cache, self.dims = cache, (0, 2, 3) if any_size else (0,)
+        self.warmed = cache / f"warmed-{warm_key}"  # made once a warm-up of this key has filled the cache
+        self.late_graphs = 0
+        self._ready = False
+
+    def __call__(self, batch: torch.Tensor) -> Any:
+        for dim in self.dims:
+            torch._dynamo.maybe_mark_dynamic(batch, dim)
+        before = graphs_compiled()
+        output = self.function(batch)
+        if self._ready and graphs_compiled() > before:
+            self.late_graphs += graphs_compiled() - before
+            log.warning("the model was compiled again for a batch of shape %s: that batch waited", tuple(batch.shape))
+        return output
+
+    @contextlib.contextmanager
+    def compiling(self) -> Iterator[None]:
+        """Hold the cache directory while compiling: one process at a time compiles into it, so the device's other
+        workers find its code there instead of compiling it again beside it. Once a warm-up of the same key has
+        filled it, the workers only read it, all at once."""
+        if self.warmed.exists():
+            yield
+            return
+        with open(self.cache / LOCK, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+            yield
+            self.warmed.touch()
+
+    def warm_up(self, run: Callable[[int], object], sizes: list[int], threads: list[int]) -> None:
+        """Compile for every batch of `sizes` on every count of `threads` (torch guards a graph on the thread count)
+        by `run`ning batches, after the caller's batch of one on the first count: each size on the first count, then
+        on the others only the sizes that opened a graph (the rest pass its guards). From then on a new graph is one
+        a request waited for."""
+        opened = [1]
+        for index, count in enumerate(threads):
+            torch.set_num_threads(count)
+            for size in sizes if index == 0 else opened:
+                before = graphs_compiled()
+                run(size)
+                if index == 0 and graphs_compiled() > before:
+                    opened.append(size)
+        self._ready = True
+
+    def describe(self) -> str:
+        """How many graphs were compiled, and how many of them the cache directory already held."""
+        found = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
+        return f"{graphs_compiled()} graphs, {found} of them from the cache in {self.cache}"
