@@ -99,6 +99,7 @@ def test_classifier_answers_json_top_k(tmp_path: Path) -> None:
         "model_factory": "toy_models:TinyClassifier",
         "labels": str(tmp_path / "labels.txt"),
         "input_size": 32,
+        "compile": False,  # eager: compiling is test_compiled.py's (a minute per server on 2 cores)
     }
     with running_server(tmp_path, **settings) as server:
         response = httpx.post(

@@ -38,6 +38,7 @@ from imgserve.models.preprocess import Preprocess
 from imgserve.models.render import mask_on_original
 
 PNG = {"Content-Type": "image/png"}
+EAGER = {"compile": False}  # these fixed-size models run eagerly: compiling is test_compiled.py's (a minute per server)
 
 
 def saved(model: torch.nn.Module, directory: Path) -> dict[str, str]:
@@ -68,7 +69,7 @@ def vit(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, Patc
     directory = tmp_path_factory.mktemp("vit")
     model = PatchTransformer().eval()
     (directory / "labels.txt").write_text("".join(f"class {i}\n" for i in range(CLASSES)))
-    settings = {"preprocess": "imagenet", "labels": directory / "labels.txt", **saved(model, directory)}
+    settings = {"preprocess": "imagenet", "labels": directory / "labels.txt", **saved(model, directory), **EAGER}
     with running_server(directory, **settings) as server:
         yield server, model
 
@@ -93,7 +94,7 @@ def test_static_shape_export_starts_and_probabilities_are_not_softmaxed_again(tm
     batch = torch.export.Dim("batch", min=1, max=64)
     program = torch.export.export(model, (torch.rand(2, 3, 224, 224),), dynamic_shapes={"x": {0: batch}})
     torch.export.save(program, str(tmp_path / "fixed.pt2"))
-    settings = {"model": tmp_path / "fixed.pt2", "input_size": 224, "scores": "probabilities"}
+    settings = {"model": tmp_path / "fixed.pt2", "input_size": 224, "scores": "probabilities", **EAGER}
     with running_server(tmp_path, **settings) as server:
         data = photo(300, 200)
         answer = post(server, data, top_k=3).json()["top_k"]
@@ -108,7 +109,13 @@ def segmenter(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server
     directory = tmp_path_factory.mktemp("segment")
     model = DictSegmenter().eval()
     (directory / "labels.txt").write_text("".join(f"part {i}\n" for i in range(SEGMENT_CLASSES)))
-    settings = {"resize_size": 72, "input_size": 64, "labels": directory / "labels.txt", **saved(model, directory)}
+    settings = {
+        "resize_size": 72,
+        "input_size": 64,
+        "labels": directory / "labels.txt",
+        **saved(model, directory),
+        **EAGER,
+    }
     with running_server(directory, **settings) as server:
         yield server, model, Preprocess(resize_size=72, input_size=64)
 
@@ -165,7 +172,7 @@ def detector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server,
     save_file(model.state_dict(), str(directory / "detector.safetensors"))
     (directory / "nets.py").write_text("from real_shapes import ListDetector\n\nbuild = ListDetector\n")
     server = console_script_server(
-        {"model": "detector.safetensors", "model_factory": "nets:build", "input_size": 96}, directory
+        {"model": "detector.safetensors", "model_factory": "nets:build", "input_size": 96, **EAGER}, directory
     )
     try:
         wait_ready(server)

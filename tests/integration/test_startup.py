@@ -140,6 +140,7 @@ def test_a_worker_that_cannot_serve_the_model_ends_the_server_with_its_reason_la
         "model": tmp_path / "model.safetensors",
         "model_factory": f"real_shapes:{type(model).__name__}",
         "input_size": 224,
+        "compile": False,  # the model fails its warm-up; compiling is test_compiled.py's
         "workers_per_device": 2,  # both fail; the reason is said once
     }
     if labels:

@@ -45,6 +45,7 @@ def test_the_built_in_model_decoding_in_the_worker_answers_as_the_front_end_deco
     passes the front end's header check and fails in the worker (the front-end decode stops it before)."""
     uploads = [*MIXED, corrupt_jpeg(), *MIXED]
     settings = {"preprocess": "imagenet", "max_batch_size": 8, "batch_timeout_ms": 200, "workers_per_device": 1}
+    settings["compile"] = False  # the decode is under test; compiling is test_compiled.py's
     with running_server(tmp_path, decode_in="worker", **settings) as worker:
         in_worker = answers(worker.url, uploads)
         batches = worker.metric("imgserve_batch_size_count")
