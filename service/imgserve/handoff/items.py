@@ -14,12 +14,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
 from imgserve.codec import EncodedImage
+
+Leaf = TypeVar("Leaf")
 
 ALIGN = 64  # each array starts at a multiple of this many bytes in the slot
 ARRAY_KINDS = "biuf"  # booleans, integers, floats: nothing that holds Python objects
@@ -114,12 +116,17 @@ def resolve(tree: Any, read: Read) -> Any:
 
 def arrays_of(tree: Any) -> list[np.ndarray]:
     """The arrays among a tree's leaves."""
-    if isinstance(tree, np.ndarray):
+    return leaves_of(tree, np.ndarray)
+
+
+def leaves_of(tree: Any, kind: type[Leaf]) -> list[Leaf]:
+    """The leaves of a tree (lists, tuples and dicts) that are of `kind`, in order."""
+    if isinstance(tree, kind):
         return [tree]
     if isinstance(tree, list | tuple):
-        return [array for item in tree for array in arrays_of(item)]
+        return [leaf for item in tree for leaf in leaves_of(item, kind)]
     if isinstance(tree, dict):
-        return [array for item in tree.values() for array in arrays_of(item)]
+        return [leaf for item in tree.values() for leaf in leaves_of(item, kind)]
     return []
 
 

@@ -23,6 +23,7 @@ from PIL import Image
 from imgserve import codec
 from imgserve.codec import EncodedImage
 from imgserve.errors import ApiError, fault, from_exception
+from imgserve.handoff import items
 
 log = logging.getLogger(__name__)
 FILTERS = {
@@ -55,7 +56,7 @@ def decode_items(
     """The items with each EncodedImage replaced by its pixels on `device`, and the ApiError of each item that an
     upload of failed to decode (by index; such an item stays as it was). `batched` decodes JPEGs together (default:
     on a CUDA device, the GPU decoder where there is one; on a CPU none)."""
-    uploads = [(index, upload) for index, value in enumerate(values) for upload in _uploads(value)]
+    uploads = [(index, upload) for index, value in enumerate(values) for upload in items.leaves_of(value, EncodedImage)]
     if not uploads:
         return values, {}
     if batched is None and device.type == "cuda":
@@ -133,17 +134,6 @@ def cut_tensor(image: torch.Tensor, upload: EncodedImage) -> torch.Tensor:
         left, top, width, height = upload.crop
         image = image[top : top + height, left : left + width]
     return image
-
-
-def _uploads(value: Any) -> list[EncodedImage]:
-    """The EncodedImages among an item's leaves."""
-    if isinstance(value, EncodedImage):
-        return [value]
-    if isinstance(value, list | tuple):
-        return [upload for item in value for upload in _uploads(item)]
-    if isinstance(value, dict):
-        return [upload for item in value.values() for upload in _uploads(item)]
-    return []
 
 
 def _with(value: Any, pixels: dict[int, Any]) -> Any:
