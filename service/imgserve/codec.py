@@ -24,7 +24,12 @@ ACCEPTED_FORMATS = {"JPEG", "PNG", "WEBP", "BMP", "GIF", "TIFF", "MPO"}
 # A progressive JPEG's decode time grows with its scans (libjpeg has no limit); real encoders write about ten.
 MAX_JPEG_SCANS = 100
 OUTPUT_TYPES = {"jpeg": "image/jpeg", "png": "image/png", "webp": "image/webp"}
-INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+FILTERS = {  # the resizes' interpolations, by name: Pillow's filter for each
+    "bilinear": Image.Resampling.BILINEAR,
+    "bicubic": Image.Resampling.BICUBIC,
+    "nearest": Image.Resampling.NEAREST,
+}
+INTERPOLATIONS = tuple(FILTERS)
 FULL_SIZE = "imgserve.full_size"  # in a reduced image's `info`: the upload's own (upright) width and height
 TURNED = (5, 6, 7, 8)  # the EXIF orientations that swap width and height
 

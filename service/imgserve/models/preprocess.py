@@ -13,12 +13,6 @@ from PIL import Image
 from imgserve import codec
 from imgserve.config import BuiltinModel
 
-FILTERS = {
-    "bilinear": Image.Resampling.BILINEAR,
-    "bicubic": Image.Resampling.BICUBIC,
-    "nearest": Image.Resampling.NEAREST,
-}
-
 
 class Geometry(NamedTuple):
     """Where the model's input came from: original size -> resized size -> crop box (all width, height order)."""
@@ -63,7 +57,7 @@ class Preprocess:
         is the upload's own)."""
         geometry = self.geometry(*codec.full_size(image))
         if geometry.resized != image.size:
-            image = image.resize(geometry.resized, FILTERS[self.interpolation])
+            image = image.resize(geometry.resized, codec.FILTERS[self.interpolation])
         if geometry.crop[2:] != geometry.resized:
             left, top, width, height = geometry.crop
             image = image.crop((left, top, left + width, top + height))

@@ -26,11 +26,6 @@ from imgserve.errors import ApiError, fault, from_exception
 from imgserve.handoff import items
 
 log = logging.getLogger(__name__)
-FILTERS = {
-    "bilinear": Image.Resampling.BILINEAR,
-    "bicubic": Image.Resampling.BICUBIC,
-    "nearest": Image.Resampling.NEAREST,
-}
 BatchedJpegDecode = Callable[[list[bytes], torch.device], list[torch.Tensor]]  # JPEG bytes -> HxWx3 uint8 tensors
 
 
@@ -109,7 +104,7 @@ def _alone(upload: EncodedImage, device: torch.device, batched: BatchedJpegDecod
 def _cut_image(image: Image.Image, upload: EncodedImage) -> Image.Image:
     """Resized and cropped by Pillow, as the front ends' preprocessing does."""
     if upload.resize is not None:
-        image = image.resize(upload.resize, FILTERS[upload.interpolation])
+        image = image.resize(upload.resize, codec.FILTERS[upload.interpolation])
     if upload.crop is not None:
         left, top, width, height = upload.crop
         image = image.crop((left, top, left + width, top + height))
