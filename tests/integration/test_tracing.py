@@ -150,6 +150,26 @@ def test_v2_http_and_grpc_inferences_are_traced_the_same_way(builtin: Server, re
     assert server.parent_id == CALLER_SPAN and server.attributes["rpc.grpc.status_code"] == 0
 
 
+def test_over_v2_http_the_bodys_id_is_the_request_id(builtin: Server, receiver: otlp.Receiver) -> None:
+    """The body's `id` wins over X-Request-ID: echoed, logged, and on every span, `admission` (which ends before the
+    body is read) included."""
+    body = {
+        "id": "v2-body-1",
+        "inputs": [{"name": "pixels", "shape": [1, 8, 8, 3], "datatype": "UINT8", "data": [0] * 192}],
+    }
+    headers = {"traceparent": traceparent("3" * 32), "x-request-id": "from-the-header"}
+    answer = httpx.post(f"{builtin.url}/v2/models/denoiser/infer", json=body, headers=headers, timeout=30)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-request-id"] == "v2-body-1" and answer.json()["id"] == "v2-body-1"
+    spans = whole_trace(receiver, "3" * 32, {"POST /v2/infer", "admission", "predict", "encode_response"})
+    check_tree(spans, "POST /v2/infer", "v2-body-1", "denoiser")
+    logged = 'POST /v2/models/denoiser/infer HTTP/1.1" 200 request_id=v2-body-1'
+    wait_until(lambda: logged in builtin.log(), 10, "the access log")
+    unsafe = {**body, "id": "<script>"}  # answered in the body as sent, but not echoed or logged: the header's id is
+    answer = httpx.post(f"{builtin.url}/v2/models/denoiser/infer", json=unsafe, headers=headers, timeout=30)
+    assert answer.json()["id"] == "<script>" and answer.headers["x-request-id"] == "from-the-header"
+
+
 def test_grpc_echoes_the_request_id_it_made_up(builtin: Server) -> None:
     request = service_pb2.ModelInferRequest(model_name="denoiser")
     request.inputs.add(name="image", datatype="BYTES", shape=[1, 1])

@@ -110,7 +110,7 @@ class AdmissionMiddleware:
         state = scope.setdefault("state", {})
         model = self.admission.model_of(scope["path"])
         try:
-            with tracing.step("admission"):
+            with tracing.step("admission", before_body=True):
                 deadline = self._deadline(scope, state.get("first_byte", time.monotonic()))
                 self._check_declared_size(scope)
                 refusal = self.admission.refusal(model)

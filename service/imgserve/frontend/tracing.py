@@ -1,14 +1,15 @@
 """The front end's side of a request's trace, and its request id.
 
 Every HTTP request gets an id (`RequestMiddleware`, the outermost): the caller's X-Request-ID when it is safe, else a
-new one (tracing.request_id). The answer echoes it in X-Request-ID and the access-log line (--access-log) ends with
-it. With tracing on, the middleware also makes the request's server span, which continues the caller's trace from
-its `traceparent`/`tracestate` headers (OpenTelemetry's propagators, OTEL_PROPAGATORS) or starts a new one; the steps
-below it are `step` spans: `admission` (limits, the deadline, the body received), `read` (the body parsed into the
-call), `infer` (the call's places in the pod's queue and its items), per item `decode_request`, `hand-off` (queued
-to the workers until the answer came back: the worker's `queue` and `batch` spans hang under it) and
-`encode_response`. A gRPC inference is the same under its own server span (`grpc_request`); the connection layer's
-early 503 is a server span of its own that ends at once (`shed`). An error is recorded on the span where it
+new one (tracing.request_id); over v2 the body's own `id`, once read and when safe, replaces it (`adopt`). The answer
+echoes it in X-Request-ID and the access-log line (--access-log) ends with it. With tracing on, the middleware also
+makes the request's server span, which continues the caller's trace from its `traceparent`/`tracestate` headers
+(OpenTelemetry's propagators, OTEL_PROPAGATORS) or starts a new one; the steps below it are `step` spans: `admission`
+(limits, the deadline, the body received; it takes the request's id when the server span ends), `read` (the body
+parsed into the call), `infer` (the call's places in the pod's queue and its items), per item `decode_request`,
+`hand-off` (queued to the workers until the answer came back: the worker's `queue` and `batch` spans hang under it)
+and `encode_response`. A gRPC inference is the same under its own server span (`grpc_request`); the connection
+layer's early 503 is a server span of its own that ends at once (`shed`). An error is recorded on the span where it
 happened (a refusal's reason in `imgserve.refusal`) and on the server span.
 
 With tracing off (tracing.enabled(): nothing set) `TRACER` stays None and no span is made, no context read or
@@ -19,10 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -42,10 +44,12 @@ Pairs = Iterable[tuple[str, Any]]  # headers as text, or a gRPC call's metadata
 
 @dataclass
 class _Request:
-    """The request a span belongs to: its id, and its server span (which learns every error of its steps)."""
+    """The request a span belongs to: its id, its server span (which learns every error of its steps; None with
+    tracing off), and the spans held open until its id is settled (with the times they ended)."""
 
     id: str
-    span: Any
+    span: Any = None
+    held: list[tuple[Any, int]] = field(default_factory=list)
 
 
 _REQUEST: ContextVar[_Request | None] = ContextVar("imgserve_request", default=None)
@@ -59,29 +63,53 @@ def start(access_log: bool) -> None:
         TRACER = tracing.provider("frontend").get_tracer("imgserve")
 
 
-def step(name: str, item: int | None = None) -> contextlib.AbstractContextManager[Any]:
+def step(name: str, item: int | None = None, before_body: bool = False) -> contextlib.AbstractContextManager[Any]:
     """A span for one step of the current request, of its item `item` when given (the span, or None with tracing
-    off)."""
+    off). A step `before_body` that succeeds is ended (at the time it ended) with its server span, when the body can
+    no longer change the request's id (`adopt`)."""
     if TRACER is None:
         return NO_SPAN
-    return _span(name, {} if item is None else {tracing.ITEM: item})
+    return _span(name, {} if item is None else {tracing.ITEM: item}, before_body)
 
 
 @contextlib.contextmanager
-def _span(name: str, attributes: dict[str, Any]) -> Iterator[Any]:
+def _span(name: str, attributes: dict[str, Any], before_body: bool) -> Iterator[Any]:
     request = _REQUEST.get()
-    if request is not None:
-        attributes[tracing.REQUEST_ID] = request.id
     with TRACER.start_as_current_span(
-        name, attributes=attributes, record_exception=False, set_status_on_exception=False
+        name, attributes=attributes, record_exception=False, set_status_on_exception=False, end_on_exit=False
     ) as span:
+        held = False
         try:
             yield span
+            held = before_body
         except Exception as exc:
             failed(span, exc)
             if request is not None:
                 failed(request.span, exc)
             raise
+        finally:
+            if held and request is not None:
+                request.held.append((span, time.time_ns()))
+            else:
+                _end(span, request)
+
+
+def _end(span: Any, request: _Request | None, end_ns: int | None = None) -> None:
+    """End `span` with the request's id as it is now."""
+    if request is not None:
+        span.set_attribute(tracing.REQUEST_ID, request.id)
+    span.end(end_ns)
+
+
+def adopt(given: str | None) -> None:
+    """The request's own id, read from its body (v2's `id`), when it is safe to echo, becomes the current request's
+    id: echoed, logged, and on its spans, those that ended before it was read included."""
+    request = _REQUEST.get()
+    if request is None or given is None or not tracing.SAFE_ID.fullmatch(given):
+        return
+    request.id = given
+    if request.span is not None:
+        request.span.set_attribute(tracing.REQUEST_ID, given)
 
 
 def failed(span: Any, exc: BaseException) -> None:
@@ -106,19 +134,20 @@ def to_worker(span: Any) -> str:
 
 
 @contextlib.contextmanager
-def _served(name: str, carrier: Pairs, request_id: str, attributes: dict[str, Any]) -> Iterator[Any]:
+def _served(name: str, carrier: Pairs, request: _Request, attributes: dict[str, Any]) -> Iterator[Any]:
     """The server span of one request, the current span of its steps."""
     from opentelemetry import propagate
     from opentelemetry.trace import SpanKind
 
     found = {key: value for key, value in carrier if key in CARRIED and isinstance(value, str)}
     parent = propagate.extract({key: value for key, value in found.items() if len(value) <= MAX_CONTEXT})
-    attributes[tracing.REQUEST_ID] = request_id
+    attributes[tracing.REQUEST_ID] = request.id
     with TRACER.start_as_current_span(
         name, context=parent, kind=SpanKind.SERVER, attributes=attributes, record_exception=False,
         set_status_on_exception=False,
     ) as span:  # fmt: skip
-        token = _REQUEST.set(_Request(request_id, span))
+        request.span = span
+        token = _REQUEST.set(request)
         try:
             yield span
         except Exception as exc:
@@ -126,6 +155,8 @@ def _served(name: str, carrier: Pairs, request_id: str, attributes: dict[str, An
             raise
         finally:
             _REQUEST.reset(token)
+            for held, end_ns in request.held:
+                _end(held, request, end_ns)
 
 
 class RequestMiddleware:
@@ -137,17 +168,17 @@ class RequestMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        request_id = tracing.request_id(_header(scope, b"x-request-id"))
-        echoed = (b"x-request-id", request_id.encode())
+        request = _Request(tracing.request_id(_header(scope, b"x-request-id")))
         status = 500
 
         async def send_with_id(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message = {**message, "headers": [*message.get("headers", ()), echoed]}
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", request.id.encode())]}
             await send(message)
 
+        token = _REQUEST.set(request)
         try:
             if TRACER is None:
                 return await self.app(scope, receive, send_with_id)
@@ -158,15 +189,16 @@ class RequestMiddleware:
                 tracing.MODEL: self.model_of(scope["path"]),
             }
             headers = ((key.decode("latin-1"), value.decode("latin-1")) for key, value in scope["headers"])
-            with _served(f"{scope['method']} {route}", headers, request_id, attributes) as span:
+            with _served(f"{scope['method']} {route}", headers, request, attributes) as span:
                 try:
                     await self.app(scope, receive, send_with_id)
                 finally:
                     _answered(span, status)
         finally:
+            _REQUEST.reset(token)
             if LOG_ACCESS:
                 client, version = scope.get("client"), scope["http_version"]
-                _log_access(client, scope["method"], _target(scope), version, status, request_id)
+                _log_access(client, scope["method"], _target(scope), version, status, request.id)
 
 
 def _answered(span: Any, status: int) -> None:
@@ -191,7 +223,7 @@ def _grpc_served(request_id: str, metadata: Pairs, model: str, codes: Mapping[in
     service, method = "inference.GRPCInferenceService", "ModelInfer"
     attributes = {"rpc.system": "grpc", "rpc.service": service, "rpc.method": method, tracing.MODEL: model}
     code = 0  # OK
-    with _served(f"{service}/{method}", metadata, request_id, attributes) as span:
+    with _served(f"{service}/{method}", metadata, _Request(request_id), attributes) as span:
         try:
             yield span
         except BaseException as exc:
@@ -218,7 +250,7 @@ def shed(headers: list[tuple[bytes, bytes]], path: str, reason: str, answer: byt
         route = telemetry.route(path)
         attributes = {"http.request.method": "POST", "http.route": route, tracing.REFUSAL: reason}
         pairs = ((key.decode("latin-1"), value.decode("latin-1")) for key, value in headers)
-        with _served(f"POST {route}", pairs, request_id, attributes) as span:
+        with _served(f"POST {route}", pairs, _Request(request_id), attributes) as span:
             span.set_attribute("error.type", reason)
             _answered(span, 503)
     if LOG_ACCESS:

@@ -112,6 +112,7 @@ class V2Routes:
             model = self.models.find(request.path_params["model"], request.path_params.get("version"))
             with tracing.step("read"):
                 parsed = await self._parsed(request, model)
+                tracing.adopt(parsed.id)
             state = request.scope["state"]
             outputs = await model.infer(parsed, state["deadline"], state.get("first_byte", time.monotonic()))
             if sum(tensors.nbytes(tensor) for _, tensor in outputs) <= INLINE_CODEC_BYTES:
