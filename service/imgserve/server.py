@@ -15,7 +15,7 @@ import os
 import pickle
 import socket
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -136,10 +136,21 @@ class Pod:
     state: SharedState
     control: ModelControl
 
+    bounds_found: dict[int, tuple[int, int]] = field(default_factory=dict, init=False, repr=False)
+    bounds_generation: int = field(default=-1, init=False, repr=False)
+
     def bounds(self, model: int) -> tuple[int, int]:
-        """The pod's queue bound and `model`'s, at the batch sizes the loaded models settled on."""
-        sizes = [self.batch_size(index) for index in range(len(self.catalog)) if self.state.models.ready(index)]
-        return self.plan.queue_bound(sizes or [1]), self.plan.model_queue_bound(self.batch_size(model))
+        """The pod's queue bound and `model`'s, at the batch sizes the loaded models settled on: asked three times a
+        request, worked out again only once a model's state or limits changed (ModelStates.generation)."""
+        generation = self.state.models.generation
+        if generation != self.bounds_generation:
+            self.bounds_found, self.bounds_generation = {}, generation
+        found = self.bounds_found.get(model)
+        if found is None:
+            sizes = [self.batch_size(index) for index in range(len(self.catalog)) if self.state.models.ready(index)]
+            found = self.plan.queue_bound(sizes or [1]), self.plan.model_queue_bound(self.batch_size(model))
+            self.bounds_found[model] = found
+        return found
 
     def batch_size(self, model: int) -> int:
         limits = self.state.models.limits(model)

@@ -17,7 +17,19 @@ import torch
 from PIL import Image
 
 from imgserve.testing import RunningServer, free_port, serve_command
-from loadtests import bench, capacity, decode, gpu_check, latency, overhead, resnet50, sidebyside, tracing_cost
+from loadtests import (
+    admission_cost,
+    bench,
+    capacity,
+    decode,
+    front_end_split,
+    gpu_check,
+    latency,
+    overhead,
+    resnet50,
+    sidebyside,
+    tracing_cost,
+)
 from loadtests.lib import closed_loop
 from loadtests.lib.closed_loop import LoadResult, Outcome, run_closed_loop
 from loadtests.lib.grpc_loop import run_grpc_closed_loop
@@ -124,6 +136,11 @@ def test_sidebyside_with_tracing_adds_the_traced_denoiser_to_the_c64_cell(tmp_pa
     plan = {cell.name: cell.contenders for cell in sidebyside.cells(tmp_path, traced=True)}
     assert plan["denoiser, bench images, c=64"] == ("denoiser before", "denoiser", sidebyside.TRACED)
     assert plan["denoiser, bench images, c=1"] == ("denoiser before", "denoiser")
+
+
+def test_admission_cost_times_the_checks_a_request_passes(capsys: pytest.CaptureFixture) -> None:
+    assert admission_cost.main(["--requests", "200"]) == 0
+    assert float(capsys.readouterr().out.split("admission: ")[1].split(" us")[0]) > 0
 
 
 def test_tracing_cost_times_the_request_id_and_the_steps_with_tracing_off(capsys: pytest.CaptureFixture) -> None:
@@ -371,3 +388,11 @@ def test_resnet50_holds_the_compiled_server_to_1_2x_the_eager_one(compiled: floa
         "compiled, empty cache 90.0 s (its workers' compile, one at a time: 80.5 s (0 of 4 graphs cached) + " in report
     )
     assert "the same cache again 12.0 s (3.5 s (4 of 4 graphs cached))." in report
+
+
+def test_front_end_split_reads_each_front_ends_cpu_in_a_burst(tmp_path: Path) -> None:
+    out = tmp_path / "split.md"
+    assert front_end_split.main(["--starts", "1", "--users", "8", "--seconds", "1", "--out", str(out)]) == 0
+    (row,) = [line for line in out.read_text().splitlines() if line.startswith("| 1 | this |")]
+    rps, cpu = float(row.split(" | ")[2]), [float(s) for s in row.split(" | ")[3].strip(" |").split(", ")]
+    assert rps > 0 and len(cpu) == 2 and sum(cpu) > 0  # the plan's two front ends on this 2-core machine

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from imgserve import pod
-from imgserve.config import MAX_CPU_WORKERS, MAX_GPU_WORKERS, Settings
-from imgserve.pod import GpuProbe, Machine, gpu_workers_for, plan_pod, usable_cpus
+from imgserve.api import ImageAPI
+from imgserve.config import MAX_CPU_WORKERS, MAX_GPU_WORKERS, Batching, Settings
+from imgserve.handoff.model_state import READY, UNAVAILABLE
+from imgserve.handoff.state import SharedState
+from imgserve.pod import GpuProbe, Limits, Machine, gpu_workers_for, plan_pod, usable_cpus
+from imgserve.served import Catalog, ServedModel
+from imgserve.server import Pod
 
 GIB = 1 << 30
 
@@ -161,3 +167,29 @@ def test_usable_cpus_honours_a_cgroup_cpu_limit(
 def test_usable_cpus_without_a_cgroup_file_is_the_affinity_mask(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(pod, "CGROUP_CPU_MAX", tmp_path / "missing")
     assert usable_cpus() == len(os.sched_getaffinity(0))
+
+
+class Echo(ImageAPI):
+    def predict(self, batch: Any) -> Any:
+        return batch
+
+
+def test_the_pods_bounds_follow_each_change_of_a_models_state_or_limits() -> None:
+    """Pod.bounds is asked three times a request and kept between changes: a load, an unload or new limits are seen
+    at once."""
+    settings = Settings(max_queue_depth=0)
+    plan = plan_pod(settings, machine(cpus=2), [8, 8])
+    state = SharedState(plan.workers, 1, 1, 2)
+    catalog = Catalog([ServedModel(i, f"m{i}", Echo(api_path=f"/m{i}"), Batching(max_batch_size=8)) for i in (0, 1)])
+    served = Pod(settings, catalog, plan, state, control=None)  # type: ignore[arg-type]  # no model is loaded here
+    per_batch = plan.workers * pod.QUEUED_BATCHES_PER_WORKER
+    state.models.set_limits(0, Limits(8, 1, 1))
+    state.models.set_state(0, READY)
+    assert served.bounds(0) == (8 * per_batch, 8 * per_batch)
+    state.models.set_limits(0, Limits(2, 1, 1))  # the main process fitted it again
+    assert served.bounds(0) == (2 * per_batch, 2 * per_batch)
+    state.models.set_limits(1, Limits(4, 1, 1))
+    state.models.set_state(1, READY)  # loaded: the pod's bound holds both models' queues
+    assert served.bounds(0) == (6 * per_batch, 2 * per_batch) and served.bounds(1) == (6 * per_batch, 4 * per_batch)
+    state.models.set_state(1, UNAVAILABLE)  # unloaded
+    assert served.bounds(0) == (2 * per_batch, 2 * per_batch)

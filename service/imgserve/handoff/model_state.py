@@ -36,6 +36,7 @@ class ModelStates:
         self._limits: SynchronizedArray[int] = _ctx.Array("q", models * 3)
         self._task: Any = _ctx.Array("c", models * TASK_BYTES)
         self._weight_bytes: SynchronizedArray[int] = _ctx.Array("q", models)
+        self._generation: Any = _ctx.RawValue("q", 0)  # one writer (the main process); read without a lock
 
     # The main process's word.
     def state(self, model: int) -> int:
@@ -44,6 +45,7 @@ class ModelStates:
     def set_state(self, model: int, state: int, reason: str = "") -> None:
         self.note_failure(model, reason)
         self._state[model] = state
+        self._generation.value += 1
 
     def note_failure(self, model: int, reason: str) -> None:
         """A worker could not set the model up: the one line its load answers with (the state is the main
@@ -61,6 +63,13 @@ class ModelStates:
 
     def set_limits(self, model: int, limits: Limits) -> None:
         self._limits[model * 3 : model * 3 + 3] = [limits.batch_size, limits.element_budget, limits.budget_bytes]
+        self._generation.value += 1
+
+    @property
+    def generation(self) -> int:
+        """Counts every change of a model's state or limits (after the change is written): what was worked out from
+        them holds while it stays the same."""
+        return int(self._generation.value)
 
     def limits(self, model: int) -> Limits | None:
         """The model's limits, or None before the main process has fitted it."""

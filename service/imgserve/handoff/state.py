@@ -51,7 +51,7 @@ class SharedState:
     def try_admit(self, limit: int, count: int = 1, model: int = 0, model_limit: int | None = None) -> bool:
         """Take `count` places in the pod's queue, of `model`'s, if that many are free in both (all or none)."""
         with self._admitted.get_lock():
-            if sum(self._admitted[:]) + count > limit:
+            if self.queue_depth + count > limit:
                 return False
             if model_limit is not None and self._model_depth(model) + count > model_limit:
                 return False
@@ -73,15 +73,20 @@ class SharedState:
 
     @property
     def queue_depth(self) -> int:
-        """Admitted and not yet answered, all models: the pod's."""
-        return sum(self._admitted[:])
+        """Admitted and not yet answered, all models: the pod's. Read without the lock, which only the writers take: a
+        read between two of their writes is one a moment earlier or later (try_admit reads it holding the lock)."""
+        return sum(self._counts())
 
     def model_queue_depth(self, model: int) -> int:
         """Admitted and not yet answered, of `model`."""
         return self._model_depth(model)
 
     def _model_depth(self, model: int) -> int:
-        return sum(self._admitted[model :: self.models.count])
+        return sum(self._counts()[model :: self.models.count])
+
+    def _counts(self) -> Any:
+        """The admitted counts themselves, for reads without their lock."""
+        return self._admitted.get_obj()
 
     # Shutdown.
     @property
