@@ -136,20 +136,20 @@ class Pod:
     state: SharedState
     control: ModelControl
 
-    bounds_found: dict[int, tuple[int, int]] = field(default_factory=dict, init=False, repr=False)
-    bounds_generation: int = field(default=-1, init=False, repr=False)
+    _bounds: dict[int, tuple[int, int]] = field(default_factory=dict, init=False, repr=False)
+    _bounds_generation: int = field(default=-1, init=False, repr=False)
 
     def bounds(self, model: int) -> tuple[int, int]:
         """The pod's queue bound and `model`'s, at the batch sizes the loaded models settled on: asked three times a
         request, worked out again only once a model's state or limits changed (ModelStates.generation)."""
         generation = self.state.models.generation
-        if generation != self.bounds_generation:
-            self.bounds_found, self.bounds_generation = {}, generation
-        found = self.bounds_found.get(model)
+        if generation != self._bounds_generation:
+            self._bounds, self._bounds_generation = {}, generation
+        found = self._bounds.get(model)
         if found is None:
             sizes = [self.batch_size(index) for index in range(len(self.catalog)) if self.state.models.ready(index)]
             found = self.plan.queue_bound(sizes or [1]), self.plan.model_queue_bound(self.batch_size(model))
-            self.bounds_found[model] = found
+            self._bounds[model] = found
         return found
 
     def batch_size(self, model: int) -> int:

@@ -116,11 +116,14 @@ def failed(span: Any, status: int, code: str, message: str) -> None:
     span.set_status(StatusCode.ERROR, message)
 
 
+def safe_id(given: str | None) -> str | None:
+    """The caller's id when it is safe to echo and log, else None."""
+    return given if given is not None and SAFE_ID.fullmatch(given) else None
+
+
 def request_id(given: str | None) -> str:
     """The caller's id when it is safe to echo and log, else a new random one (32 hex digits)."""
-    if given is not None and SAFE_ID.fullmatch(given):
-        return given
-    return secrets.token_hex(16)
+    return safe_id(given) or secrets.token_hex(16)
 
 
 def traceparent(trace_id: int, span_id: int, flags: int) -> str:

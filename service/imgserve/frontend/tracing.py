@@ -104,12 +104,12 @@ def _end(span: Any, request: _Request | None, end_ns: int | None = None) -> None
 def adopt(given: str | None) -> None:
     """The request's own id, read from its body (v2's `id`), when it is safe to echo, becomes the current request's
     id: echoed, logged, and on its spans, those that ended before it was read included."""
-    request = _REQUEST.get()
-    if request is None or given is None or not tracing.SAFE_ID.fullmatch(given):
+    request, found = _REQUEST.get(), tracing.safe_id(given)
+    if request is None or found is None:
         return
-    request.id = given
+    request.id = found
     if request.span is not None:
-        request.span.set_attribute(tracing.REQUEST_ID, given)
+        request.span.set_attribute(tracing.REQUEST_ID, found)
 
 
 def failed(span: Any, exc: BaseException) -> None:
