@@ -107,6 +107,12 @@ def serve(api: LitAPI | str | Sequence[LitAPI | str] | None = None, **settings: 
         directory.remove()
 
 
+def _train(args: argparse.Namespace) -> int:
+    from imgserve.tools import train  # torch, imported only when the command needs it: --help stays quick
+
+    return train.run(args)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse with a one-line error (what was wrong and where --help is), exit 2."""
 
@@ -123,9 +129,14 @@ def main(argv: list[str] | None = None) -> int:
     _add_settings_flags(serve_parser)
     serve_parser.set_defaults(func=_serve)
 
-    from imgserve.tools import plan, train
+    train_parser = sub.add_parser("train", help="train the built-in denoiser and write its weights")
+    train_parser.add_argument("--steps", type=int, default=1500, help="optimizer steps")
+    train_parser.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
+    train_parser.add_argument("--out", help="where to write the safetensors weights (default: the built-in model's)")
+    train_parser.set_defaults(func=_train)
 
-    train.register(sub)
+    from imgserve.tools import plan
+
     plan.register(sub)
 
     args = parser.parse_args(argv)

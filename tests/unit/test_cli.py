@@ -6,11 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 from serving import SOURCE, SUPPORT
 
 from imgserve.config import Settings
+from imgserve.models.denoiser import Denoiser
 
 
 def imgserve(*arguments: str) -> subprocess.CompletedProcess:
@@ -37,6 +40,14 @@ def test_every_help_works_and_names_its_flags(command: list[str], flags: list[st
     assert result.stdout.startswith("usage: imgserve")
     for flag in flags:
         assert flag in result.stdout, flag
+
+
+def test_train_writes_weights_the_denoiser_loads(tmp_path: Path) -> None:
+    """`imgserve train` runs as the command line gives it (its module is imported only then) and writes weights."""
+    out = tmp_path / "weights.safetensors"
+    result = imgserve("train", "--steps", "2", "--out", str(out))
+    assert result.returncode == 0 and f"wrote {out}" in result.stdout, result.stderr
+    Denoiser().load_state_dict(load_file(out))
 
 
 def test_serve_help_shows_every_setting_description_as_written() -> None:

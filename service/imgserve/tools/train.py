@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 import numpy as np
 import torch
@@ -57,20 +56,13 @@ def evaluate(model: Denoiser, sigma: float = 0.1, seed: int = 1234, count: int =
     return float(np.mean(before)), float(np.mean(after))
 
 
-def register(subparsers: argparse._SubParsersAction[Any]) -> None:
-    """Add the `train` subcommand."""
-    parser = subparsers.add_parser("train", help="train the built-in denoiser and write its weights")
-    parser.add_argument("--steps", type=int, default=1500, help="optimizer steps")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the data and the initial weights")
-    parser.add_argument("--out", default=str(WEIGHTS), help="where to write the safetensors weights")
-    parser.set_defaults(func=run)
-
-
 def run(args: argparse.Namespace) -> int:
-    """Train, report PSNR before/after on held-out images, and write safetensors weights."""
+    """`imgserve train`: train, report PSNR before/after on held-out images, and write safetensors weights (to the
+    built-in model's own file unless --out names another)."""
     model = train(args.steps, args.seed)
     noisy_db, denoised_db = evaluate(model)
     print(f"PSNR noisy {noisy_db:.2f} dB -> denoised {denoised_db:.2f} dB")
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, args.out)
-    print(f"wrote {args.out}")
+    out = args.out or str(WEIGHTS)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, out)
+    print(f"wrote {out}")
     return 0
