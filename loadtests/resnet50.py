@@ -92,8 +92,8 @@ def cells(limit_per_s: float) -> list[Cell]:
             photos,
             users,
             (EAGER, COMPILED),
-            check_scores,
-            min(max(2.0, 2 * users / limit_per_s), MAX_WARMUP_S),
+            check=check_scores,
+            warmup_s=min(max(2.0, 2 * users / limit_per_s), MAX_WARMUP_S),
         )
         for users in USERS
     ]

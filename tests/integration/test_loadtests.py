@@ -361,6 +361,14 @@ def test_decode_reports_whole_and_reduced_decodes_and_the_input_difference(tmp_p
     assert "**met**" in out.read_text()
 
 
+def test_resnet50_cells_check_a_classifiers_scores_from_polite_clients() -> None:
+    """Each load's answers are judged as a classifier's, by users that wait Retry-After, after a warm-up of seconds
+    (the cells once took check_scores for the retry-storm flag and the warm-up for the check: every user died)."""
+    for cell in resnet50.cells(limit_per_s=30.0):
+        assert cell.check is check_scores and cell.retry_at_once is False
+        assert 2.0 <= cell.warmup_s <= resnet50.MAX_WARMUP_S
+
+
 @pytest.mark.parametrize(("compiled", "met"), [(24.0, True), (23.9, False)])
 def test_resnet50_holds_the_compiled_server_to_1_2x_the_eager_one(compiled: float, met: bool) -> None:
     plan = resnet50.cells(limit_per_s=30.0)
