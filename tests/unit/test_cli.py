@@ -42,6 +42,21 @@ def test_every_help_works_and_names_its_flags(command: list[str], flags: list[st
         assert flag in result.stdout, flag
 
 
+def test_help_and_a_refused_setting_do_not_import_torch() -> None:
+    """`imgserve --help` and a one-line refusal answer without importing torch (seconds of a newcomer's first try):
+    only the commands that need it import it."""
+    probe = (
+        "import sys\nfrom imgserve import cli\n"
+        "for argv in (['--help'], ['serve', '--port', 'abc']):\n"
+        "    try:\n        cli.main(argv)\n    except SystemExit:\n        pass\n"
+        "print('torch' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("IMGSERVE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(SOURCE), str(SUPPORT)])
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, env=env)
+    assert result.stdout.strip().splitlines()[-1] == "False", result.stdout + result.stderr
+
+
 def test_train_writes_weights_the_denoiser_loads(tmp_path: Path) -> None:
     """`imgserve train` runs as the command line gives it (its module is imported only then) and writes weights."""
     out = tmp_path / "weights.safetensors"
