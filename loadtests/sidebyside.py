@@ -193,21 +193,27 @@ def report(results: Results, plan: list[Cell]) -> str:
                 f"| {cell.name} | {name} | {rounds_text} | {medians[0]:.1f} | {medians[1]:.1f} | "
                 f"{medians[2]:.1f} | {cpu:.2f} |"
             )
-        first = statistics.median(results.rps[(cell.name, cell.contenders[0])])
+        reference = results.rps[(cell.name, cell.contenders[0])]
         for name in cell.contenders[1:]:
-            ratio = f"{statistics.median(results.rps[(cell.name, name)]) / first:.3f}x" if first else "-"
-            lines.append(f"| | {name} / {cell.contenders[0]} | | {ratio} | | | |")
+            lines.append(_ratio_line(f"{name} / {cell.contenders[0]}", results.rps[(cell.name, name)], reference))
         if cell.name == STORM:
             for name in cell.contenders:
-                goodput = statistics.median(results.rps[(cell.name, name)]) / statistics.median(
-                    results.rps[(C64, name)]
-                )
-                lines.append(f"| | {name}: storm goodput / its c=64 | | {goodput:.3f}x | | | |")
+                storm, own = results.rps[(cell.name, name)], results.rps[(C64, name)]
+                lines.append(_ratio_line(f"{name}: storm goodput / its c=64", storm, own))
     lines += ["", "| contender | idle PSS MiB (each round) | median MiB |", "|---|---|---|"]
     for name, values in results.idle_pss.items():
         each = ", ".join(f"{value / 2**20:.0f}" for value in values)
         lines.append(f"| {name} | {each} | {statistics.median(values) / 2**20:.0f} |")
     return "\n".join(lines)
+
+
+def _ratio_line(name: str, values: list[float], reference: list[float]) -> str:
+    """A ratio row: each round's ratio (the two measured minutes apart, on a machine whose speed drifts by the hour),
+    and the ratio of the medians."""
+    each = ", ".join(f"{value / ref:.3f}" if ref else "-" for value, ref in zip(values, reference, strict=True))
+    first = statistics.median(reference)
+    medians = f"{statistics.median(values) / first:.3f}x" if first else "-"
+    return f"| | {name} | {each} | {medians} | | | |"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -152,9 +152,13 @@ async def _run(url: str, users: int, seconds: float, warmup_s: float, timeout_s:
     async with aiohttp.ClientSession(connector=connector, timeout=client_timeout) as session:
         tasks = [asyncio.create_task(_user(i, session, url, stop_at, how, tickets, results)) for i in range(users)]
         # Requests still running at the end are awaited (up to the client timeout), so slow answers count.
-        _, pending = await asyncio.wait(tasks, timeout=seconds + warmup_s + timeout_s + 5)
+        done, pending = await asyncio.wait(tasks, timeout=seconds + warmup_s + timeout_s + 5)
         for task in pending:
             task.cancel()
+    # A user that died (a check that raised, a bug of the load's own) fails the run rather than read as 0/s.
+    died = [error for error in (task.exception() for task in done) if error is not None]
+    if died:
+        raise died[0]
     measured = [o for o in results if start + warmup_s <= o.started < stop_at]
     return LoadResult(users, seconds, measured)
 
@@ -178,7 +182,8 @@ def run_closed_loop(
     immediately (a retry storm), else it waits Retry-After. decode_answers=False checks each answer's header only.
     `max_requests` ends the run early once that many requests were sent (a flood of a fixed size). `check` judges
     each answer (default `check_answer`: an image of the input's size; `check_scores` for a classifier).
-    Requests are timed out after `timeout_s`. The result holds the requests started in the measured window.
+    Requests are timed out after `timeout_s`. The result holds the requests started in the measured window; a user
+    that dies of an exception (not a failed answer: one of the load generator's own) raises it here.
     """
     how = Behaviour(images or sample_images(), retry_at_once, decode_answers, max_requests, check)
     return asyncio.run(_run(url, users, seconds, warmup_s, timeout_s, how))

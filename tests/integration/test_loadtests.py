@@ -119,7 +119,9 @@ def test_sidebyside_serves_every_contender_and_compares_each_pair(tmp_path: Path
         (row,) = [row for row in rows if row.startswith(f"| {cell} | {contender} |")]
         answers_per_s, cpu_ms = float(row.split("|")[4]), float(row.split("|")[7])
         assert answers_per_s > 0 and cpu_ms > 0
-    assert any(row.startswith("| | near-free ImageAPI / near-free model file | | ") for row in rows)
+    (ratio,) = [row for row in rows if row.startswith("| | near-free ImageAPI / near-free model file | ")]
+    each_round, of_medians = ratio.split("|")[3:5]
+    assert float(each_round) > 0 and of_medians.strip().endswith("x")
 
 
 def test_sidebyside_with_tracing_adds_the_traced_denoiser_to_the_c64_cell(tmp_path: Path) -> None:
@@ -190,6 +192,17 @@ def test_a_latency_ends_when_the_answer_is_in_not_after_the_client_checked_it(
     result = run_closed_loop(imgserve.url + "/predict", users=1, seconds=1.5)
     assert len(checked) >= 3 and len(result.answered) >= 3
     assert result.latency_ms(0.5) < 150, "a cell's latencies include only the request and its answer"
+
+
+def test_a_user_that_dies_fails_the_run_instead_of_reading_as_no_answers(imgserve: RunningServer) -> None:
+    """A check that raises (as resnet50's cells did, given the warm-up where the check belonged) is the load
+    generator's own fault: the run raises it rather than report 0 answers/s."""
+
+    def broken_check(*args: object) -> None:
+        raise TypeError("'float' object is not callable")
+
+    with pytest.raises(TypeError, match="not callable"):
+        run_closed_loop(imgserve.url + "/predict", users=2, seconds=0.5, check=broken_check)
 
 
 def _result(users: int, latencies_s: list[float], window_s: float = 1.0) -> LoadResult:
