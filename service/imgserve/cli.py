@@ -102,7 +102,8 @@ def serve(api: LitAPI | str | Sequence[LitAPI | str] | None = None, **settings: 
             return 2
         from imgserve import server
 
-        return server.serve(resolved, directory, apis)
+        with directory.temporary_files():
+            return server.serve(resolved, directory, apis)
     finally:
         directory.remove()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,7 +17,17 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from serving import SOURCE, SUPPORT, Server, free_port, image_bytes, start_server, stop_server, wait_ready
+from serving import (
+    SOURCE,
+    SUPPORT,
+    Server,
+    free_port,
+    image_bytes,
+    start_server,
+    stop_server,
+    wait_ready,
+    wait_until,
+)
 from torch import nn
 
 from imgserve.config import Settings
@@ -183,6 +194,29 @@ def test_an_aotinductor_package_with_trust_native_code_answers_as_its_program(mo
     assert [index for index, _ in answers[1]] == [index for index, _ in answers[0]]
     assert np.allclose([s for _, s in answers[1]], [s for _, s in answers[0]], atol=1e-4)
     assert "inside the compiled package" in weights["private_per_worker"]
+
+
+def test_a_native_packages_extracted_code_goes_with_the_server_even_after_a_killed_worker(
+    models, tmp_path: Path, monkeypatch
+) -> None:
+    """torch extracts each load of an AOTInductor package (its shared object, with the weights inside) into a folder
+    of the temporary directory, and a stopped or killed worker never removes it: /tmp (a size-limited emptyDir in the
+    chart) filled one worker start after another. The server's scratch directory holds them and goes with it. TMPDIR
+    names an empty folder here, so whatever is in it at the end is what the server left."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))  # the server's environment is this process's
+    data = image_bytes(48, 40, seed=4)
+    with served({"model": str(models["native"]), "trust_native_code": "true"}, tmp_path) as server:
+        first = scores(server, data)
+        assert len(list(temporary.rglob("aotinductor_*"))) >= len(server.worker_pids())  # one per worker
+        workers = server.worker_pids()
+        os.kill(workers[0], signal.SIGKILL)
+        replaced = lambda: workers[0] not in server.worker_pids() and len(server.worker_pids()) == len(workers)  # noqa: E731
+        wait_until(replaced, 60, "the killed worker replaced")
+        wait_ready(server, READY_S)
+        assert scores(server, data) == first
+    assert list(temporary.iterdir()) == [], "the server left files in the temporary directory"
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import stat
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from imgserve.errors import ApiError
 from imgserve.handoff import items, wire
 from imgserve.handoff import slots as pixel_slots
 from imgserve.handoff.answers import AnswerSockets
-from imgserve.handoff.directory import LOCK, PREFIX, ServerDirectory
+from imgserve.handoff.directory import LOCK, PREFIX, SCRATCH_PREFIX, ServerDirectory
 from imgserve.handoff.dispatch import WORKER_CHECK_S, Dispatcher
 from imgserve.handoff.items import InSlot
 from imgserve.handoff.requests import ModelRequests
@@ -69,11 +70,14 @@ def test_a_slot_round_trips_arrays_and_gives_big_ones_memory_back(slot_dir: Path
 def test_a_new_server_removes_the_directories_of_dead_servers_only(tmp_path: Path) -> None:
     """Stale: ours and unlocked. Kept: a live server's (locked), one being made (no lock yet, young), another user's
     or a symlink (never followed). A file planted where a lock would be cannot stop the start."""
-    dead = ServerDirectory.create(tmp_path)
+    dead = ServerDirectory.create(tmp_path, tmp_path)
     (dead.slots / "0").write_bytes(b"pixels")
-    os.close(dead._lock_fd)  # the server was killed: nobody holds its lock now
-    live = ServerDirectory.create(tmp_path)  # removes `dead`
-    assert not dead.root.exists() and live.root.is_dir()
+    (dead.scratch / "aotinductor_x").mkdir()
+    for lock_fd in dead._lock_fds:  # the server was killed: nobody holds its locks now
+        os.close(lock_fd)
+    live = ServerDirectory.create(tmp_path, tmp_path)  # removes `dead`'s two
+    assert not dead.root.exists() and not dead.scratch.exists()
+    assert live.root.is_dir() and live.scratch.is_dir() and live.scratch.name.startswith(SCRATCH_PREFIX)
     being_made = tmp_path / f"{PREFIX}being-made"
     being_made.mkdir()
     target = tmp_path / "someone-elses"
@@ -84,13 +88,39 @@ def test_a_new_server_removes_the_directories_of_dead_servers_only(tmp_path: Pat
     planted.mkdir()
     (planted / LOCK).symlink_to(target / "keep")
     os.utime(planted, (0, 0))  # old: its lock is tried, through no symlink
-    third = ServerDirectory.create(tmp_path)
+    third = ServerDirectory.create(tmp_path, tmp_path)
     assert live.root.is_dir() and (live.root / LOCK).exists(), "a live server's directory was removed"
+    assert live.scratch.is_dir() and (live.scratch / LOCK).exists(), "a live server's scratch directory was removed"
     assert being_made.is_dir() and (target / "keep").read_text() == "x"
     assert third.root.is_dir() and stat.S_IMODE(third.root.stat().st_mode) == 0o700
     for directory in (live, third):
         directory.remove()
-    assert not live.root.exists() and not third.root.exists()
+    assert not live.root.exists() and not third.root.exists() and not live.scratch.exists()
+
+
+def test_the_scratch_directory_is_tmpdir_while_the_server_runs_and_spares_a_users_own_folders(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The temporary directory is shared with the user's own files: only imgserve-scratch-* folders are ever taken
+    for a dead server's. Inside `temporary_files` TMPDIR and Python's tempfile name the scratch directory (what the
+    server's children inherit); afterwards the caller's own TMPDIR is back."""
+    shm, temporary = tmp_path / "shm", tmp_path / "tmp"
+    shm.mkdir()
+    temporary.mkdir()
+    users_own = temporary / f"{PREFIX}checkout"
+    users_own.mkdir()
+    os.utime(users_own, (0, 0))  # old and without a lock: what a dead server's folder being made looks like
+    monkeypatch.setenv("TMPDIR", str(temporary))
+    directory = ServerDirectory.create(shm, temporary)
+    assert users_own.is_dir(), "a folder of the user's was taken for a dead server's"
+    callers = tempfile.gettempdir()
+    with directory.temporary_files():
+        assert os.environ["TMPDIR"] == str(directory.scratch) == tempfile.gettempdir()
+        made = Path(tempfile.mkdtemp())
+        assert made.parent == directory.scratch
+    assert os.environ["TMPDIR"] == str(temporary) and tempfile.gettempdir() == callers
+    directory.remove()
+    assert not made.exists() and not directory.scratch.exists()
 
 
 def worker_plan(slot_dir: Path, batch_size: int, threads: TorchThreads = ONE_THREAD) -> tuple[WorkerPlan, Batching]:
