@@ -17,7 +17,8 @@ Each cell's first contender is the reference the others are divided by (the code
 summed PSS is read once it is ready and has idled (IDLE_S), before any load: the idle server's memory.
 - Always, in this tree: a near-free model (x.clamp(0, 1)) served as a model file by the built-in API, against the
   same work written as a user's own ImageAPI (loadtests/lib/toy_apis.py), 128x128 JPEGs at 64 users; and the CPU
-  each process of the server used per answer, which shows where decoding ran.
+  the server used per answer, with the workers' part of it, which shows where the work ran.
+A ratio row gives each round's ratio (its two cells measured minutes apart) beside the ratio of the medians.
 """
 
 from __future__ import annotations
@@ -83,10 +84,12 @@ class Results:
     p50: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     p99: dict[tuple[str, str], list[float]] = field(default_factory=dict)
     cpu_ms: dict[tuple[str, str], list[float]] = field(default_factory=dict)
+    worker_ms: dict[tuple[str, str], list[float]] = field(default_factory=dict)  # the workers' part of cpu_ms
     idle_pss: dict[str, list[int]] = field(default_factory=dict)  # per contender, bytes
 
-    def add(self, key: tuple[str, str], rps: float, p50: float, p99: float, cpu_ms: float) -> None:
-        for table, value in ((self.rps, rps), (self.p50, p50), (self.p99, p99), (self.cpu_ms, cpu_ms)):
+    def add(self, key: tuple[str, str], rps: float, p50: float, p99: float, cpu_ms: float, worker_ms: float) -> None:
+        tables = (self.rps, self.p50, self.p99, self.cpu_ms, self.worker_ms)
+        for table, value in zip(tables, (rps, p50, p99, cpu_ms, worker_ms), strict=True):
             table.setdefault(key, []).append(value)
 
 
@@ -165,9 +168,10 @@ def run_cell(server: RunningServer, name: str, cell: Cell, seconds: float, resul
     )
     if result.failed:
         raise RuntimeError(f"{name}, {cell.name}: {result.errors()}")
-    cpu_ms = 1000 * window.server_cores * seconds / max(len(result.answered), 1)
+    per_answer_ms = 1000 * seconds / max(len(result.answered), 1)
     p50, p99 = result.latency_ms(0.5) or 0.0, result.latency_ms(0.99) or 0.0
-    results.add((cell.name, name), result.rps, p50, p99, cpu_ms)
+    cpu_ms, worker_ms = window.server_cores * per_answer_ms, window.worker_cores * per_answer_ms
+    results.add((cell.name, name), result.rps, p50, p99, cpu_ms, worker_ms)
 
 
 def run_round(contender: Contender, plan: list[Cell], seconds: float, work: Path, results: Results) -> None:
@@ -181,17 +185,20 @@ def run_round(contender: Contender, plan: list[Cell], seconds: float, work: Path
 
 
 def report(results: Results, plan: list[Cell]) -> str:
-    lines = ["| cell | contender | answers/s (each round) | median /s | p50 ms | p99 ms | server CPU ms/answer |"]
-    lines.append("|---|---|---|---|---|---|---|")
+    lines = [
+        "| cell | contender | answers/s (each round) | median /s | p50 ms | p99 ms | server CPU ms/answer "
+        "| of it, the workers' |"
+    ]
+    lines.append("|---|---|---|---|---|---|---|---|")
     for cell in plan:
         for name in cell.contenders:
             key = (cell.name, name)
             rounds_text = ", ".join(f"{value:.1f}" for value in results.rps[key])
             medians = [statistics.median(table[key]) for table in (results.rps, results.p50, results.p99)]
-            cpu = statistics.median(results.cpu_ms[key])
+            cpu, workers = statistics.median(results.cpu_ms[key]), statistics.median(results.worker_ms[key])
             lines.append(
                 f"| {cell.name} | {name} | {rounds_text} | {medians[0]:.1f} | {medians[1]:.1f} | "
-                f"{medians[2]:.1f} | {cpu:.2f} |"
+                f"{medians[2]:.1f} | {cpu:.2f} | {workers:.2f} |"
             )
         reference = results.rps[(cell.name, cell.contenders[0])]
         for name in cell.contenders[1:]:
@@ -213,7 +220,7 @@ def _ratio_line(name: str, values: list[float], reference: list[float]) -> str:
     each = ", ".join(f"{value / ref:.3f}" if ref else "-" for value, ref in zip(values, reference, strict=True))
     first = statistics.median(reference)
     medians = f"{statistics.median(values) / first:.3f}x" if first else "-"
-    return f"| | {name} | {each} | {medians} | | | |"
+    return f"| | {name} | {each} | {medians} | | | | |"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -100,14 +100,14 @@ class ResourceSampler:
 
 
 class CpuWindow:
-    """The CPU that this process (the load generator) and a server's process tree use in a cell's measured window,
-    `start_s` after the block starts for `seconds`: not in the warm-up, nor in the tail of answers still coming
-    after it (under a retry storm that tail is the held 503s, seconds of a server with little to do)."""
+    """The CPU that this process (the load generator), a server's process tree and its workers use in a cell's
+    measured window, `start_s` after the block starts for `seconds`: not in the warm-up, nor in the tail of answers
+    still coming after it (under a retry storm that tail is the held 503s, seconds of a server with little to do)."""
 
     def __init__(self, server: RunningServer, start_s: float, seconds: float) -> None:
         self.server = server
         self._client = psutil.Process()
-        self._marks: list[tuple[float, float, float]] = []  # (time, client CPU s, server CPU s) at start and end
+        self._marks: list[tuple[float, ...]] = []  # (time, client, server, workers' CPU s) at start and end
         self._timers = [threading.Timer(start_s, self._mark), threading.Timer(start_s + seconds, self._mark)]
 
     def __enter__(self) -> Self:
@@ -122,7 +122,8 @@ class CpuWindow:
             self._mark()
 
     def _mark(self) -> None:
-        self._marks.append((time.perf_counter(), sum(self._client.cpu_times()[:2]), self.server.tree_cpu_s()))
+        client = sum(self._client.cpu_times()[:2])
+        self._marks.append((time.perf_counter(), client, self.server.tree_cpu_s(), self.server.workers_cpu_s()))
 
     def _cores(self, which: int) -> float:
         (start, *before), (end, *after) = self._marks[:2]
@@ -135,6 +136,11 @@ class CpuWindow:
     @property
     def server_cores(self) -> float:
         return self._cores(1)
+
+    @property
+    def worker_cores(self) -> float:
+        """The inference workers' part of server_cores."""
+        return self._cores(2)
 
 
 def gpu_memory_bytes(pids: set[int]) -> int | None:

@@ -85,11 +85,14 @@ class RunningServer:
 
     def worker_pids(self) -> list[int]:
         """Inference workers: the spawned children (spawn_main) of the server."""
+        return [process.pid for process in self._workers()]
+
+    def _workers(self) -> list[psutil.Process]:
         workers = []
         for process in self.tree()[1:]:
             with contextlib.suppress(psutil.Error):
                 if "spawn_main" in " ".join(process.cmdline()):
-                    workers.append(process.pid)
+                    workers.append(process)
         return workers
 
     def replaced_worker(self, before: set[int], timeout_s: float = 90) -> int:
@@ -108,20 +111,32 @@ class RunningServer:
 
     def tree_cpu_s(self) -> float:
         """CPU seconds (user + system) the whole process tree has used so far."""
-        return self._tree_sum(lambda process: sum(process.cpu_times()[:2]))
+        return self._tree_sum(_cpu_s)
+
+    def workers_cpu_s(self) -> float:
+        """CPU seconds the inference workers have used so far (the rest of the tree's is the front ends' and the
+        main process's)."""
+        return self._tree_sum(_cpu_s, self._workers())
 
     def tree_pss(self) -> int:
         """Proportional set size of the whole process tree, in bytes: each page is charged 1/k to each of the k
         processes that map it, so pages shared by every worker count once (RSS would count them once per worker)."""
         return int(self._tree_sum(lambda process: process.memory_full_info().pss))
 
-    def _tree_sum(self, measure: Callable[[psutil.Process], float]) -> float:
-        """`measure` summed over the process tree (a process that exits meanwhile counts for nothing)."""
+    def _tree_sum(
+        self, measure: Callable[[psutil.Process], float], processes: list[psutil.Process] | None = None
+    ) -> float:
+        """`measure` summed over the process tree, or these `processes` of it (one that exits meanwhile counts for
+        nothing)."""
         total = 0.0
-        for process in self.tree():
+        for process in self.tree() if processes is None else processes:
             with contextlib.suppress(psutil.Error):
                 total += measure(process)
         return total
+
+
+def _cpu_s(process: psutil.Process) -> float:
+    return float(sum(process.cpu_times()[:2]))  # user + system
 
 
 def start(command: list[str], port: int, log_path: Path, env: dict[str, str] | None = None) -> RunningServer:
