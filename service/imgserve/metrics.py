@@ -6,6 +6,8 @@ The front ends merge every process's samples on a scrape and add the pod's live 
 
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 from prometheus_client import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60)
@@ -85,3 +87,24 @@ def count(label: str, status: int, seconds: float, model: str = "") -> None:
     REQUESTS.labels(label, str(status), model).inc()
     REQUEST_DURATION.labels(label, model).observe(seconds)
     REQUEST_SECONDS.labels(label, str(status), model).inc(seconds)
+
+
+# Whether the request the current task answers has had its deadline counted (None: not kept, count every time).
+_DEADLINE_COUNTED: ContextVar[list[bool] | None] = ContextVar("imgserve_deadline_counted", default=None)
+
+
+def one_deadline_per_request() -> None:
+    """From here on, in this task and the tasks it starts, `count_deadline` counts once: a gRPC request ends at its
+    deadline by the hand-off's own timer and by gRPC's cancellation alike, often both. Called first in each task that
+    answers one request (each gRPC call, each request of a stream), whose context is its own."""
+    _DEADLINE_COUNTED.set([])
+
+
+def count_deadline(model: str) -> None:
+    """A request given up at its deadline: imgserve_rejected_total{reason="deadline"}, once per request."""
+    counted = _DEADLINE_COUNTED.get()
+    if counted is not None:
+        if counted:
+            return
+        counted.append(True)
+    REJECTED.labels("deadline", model).inc()

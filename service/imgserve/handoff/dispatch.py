@@ -149,7 +149,7 @@ class Dispatcher:
         output = await self._wait(pending, slot.label)
         if isinstance(output, ApiError):
             if output.code == "deadline":  # the worker dropped it unrun before this front end's timer said so
-                metrics.REJECTED.labels("deadline", slot.label).inc()
+                metrics.count_deadline(slot.label)
             raise output
         return output
 
@@ -157,7 +157,7 @@ class Dispatcher:
         while not pending.answer.done():
             remaining = pending.deadline - time.monotonic()
             if remaining <= 0:
-                metrics.REJECTED.labels("deadline", label).inc()
+                metrics.count_deadline(label)
                 raise ApiError(504, "deadline", "no answer before the request's deadline")
             if self._lost(pending):
                 metrics.REJECTED.labels("worker_lost", label).inc()

@@ -76,6 +76,7 @@ def _rpc(label: str) -> Callable[[Handler], Handler]:
     def wrap(method: Handler) -> Handler:
         @functools.wraps(method)
         async def handler(self: Servicer, request: Any, context: grpc.aio.ServicerContext) -> Any:
+            metrics.one_deadline_per_request()  # gRPC runs each call in a task of its own
             started, status = time.perf_counter(), 200
             try:
                 return await method(self, request, context)

@@ -39,7 +39,7 @@ def cancelled_status(context: grpc.aio.ServicerContext, model: str = "") -> int:
     call's deadline ran out; else 499 (the client left)."""
     remaining = context.time_remaining()
     if remaining is not None and remaining <= DEADLINE_SLACK_S:
-        metrics.REJECTED.labels("deadline", model).inc()
+        metrics.count_deadline(model)  # not again if the hand-off's timer counted it first
         return 504
     return 499
 
@@ -80,6 +80,7 @@ class Stream:
 
     async def _answered(self, request: Any) -> Any:
         """One request's answer, or its error, counted."""
+        metrics.one_deadline_per_request()  # this task answers this request alone
         started, status = time.perf_counter(), 200
         model = "" if isinstance(request, ApiError) else self.label(request.model_name)
         try:
