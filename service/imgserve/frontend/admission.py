@@ -22,7 +22,7 @@ from imgserve.frontend import tracing
 from imgserve.frontend.telemetry import INFER_ROUTES, route, v2_model_name
 from imgserve.handoff.model_state import LOADING, READY
 from imgserve.handoff.state import SharedState
-from imgserve.metrics import REJECTED
+from imgserve.metrics import REJECTED, count_deadline
 from imgserve.served import Catalog
 
 SHED_MESSAGES = {"draining": "the server is shutting down", "queue_full": "the queue is full"}
@@ -141,7 +141,7 @@ class AdmissionMiddleware:
                 if seen > self.settings.max_body_bytes:
                     raise _too_large(self.settings.max_body_bytes)
                 if more and time.monotonic() > deadline:
-                    REJECTED.labels("deadline", model).inc()
+                    count_deadline(model)
                     raise ApiError(504, "deadline", "the upload did not end before the request's deadline")
                 chunks.append(chunk)
             return b"".join(chunks)
