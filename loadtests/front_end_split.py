@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 
-from imgserve.testing import RunningServer, free_port, serve_command
+from imgserve.testing import FORK_SERVER, RunningServer, free_port, serve_command
 from loadtests.lib.closed_loop import run_closed_loop
 from loadtests.lib.images import square_jpegs
 from loadtests.lib.report import machine, publish
@@ -30,12 +30,14 @@ from loadtests.overhead import write_clamp_model
 
 
 def front_ends(server: RunningServer) -> list[psutil.Process]:
-    """The server's front-end processes: its children that are neither workers nor Python's resource tracker."""
+    """The server's front-end processes: its children that are neither workers nor multiprocessing's helpers (the
+    resource tracker, the fork server)."""
     workers = set(server.worker_pids())
+    helpers = ("resource_tracker", FORK_SERVER)
     return [
         process
         for process in server.tree()[1:]
-        if process.pid not in workers and "resource_tracker" not in " ".join(process.cmdline())
+        if process.pid not in workers and not any(helper in " ".join(process.cmdline()) for helper in helpers)
     ]
 
 

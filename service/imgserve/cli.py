@@ -100,9 +100,11 @@ def serve(api: LitAPI | str | Sequence[LitAPI | str] | None = None, **settings: 
         if problem:
             print(f"imgserve: {problem}", file=sys.stderr)
             return 2
-        from imgserve import server
+        from imgserve.supervisor import forkserver
 
-        with directory.temporary_files():
+        with directory.temporary_files(), forkserver.running(directory.root):
+            from imgserve import server  # torch, imported while the fork server imports it too
+
             return server.serve(resolved, directory, apis)
     finally:
         directory.remove()

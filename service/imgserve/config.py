@@ -252,7 +252,7 @@ class Logging(Concern):
     access_log: bool = Field(False, description="Log every HTTP request (costs front-end CPU under load).")
 
     def configure_logging(self) -> None:
-        """The log format and level of every imgserve process (spawned workers start with none)."""
+        """The log format and level of every imgserve process (a worker starts with none)."""
         logging.basicConfig(level=self.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 

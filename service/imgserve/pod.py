@@ -80,7 +80,6 @@ class PodPlan:
     largest_queue: int  # the most requests the pod may admit, whatever batch sizes its models settle on
     slots_per_front_end: int
     reserved_slot_bytes: int  # kept out of a CPU's batch memory: room for every admitted image in its slot
-    passive_openmp: bool
     warnings: list[str] = field(default_factory=list)
     max_queue_depth: int = 0  # the operator's bound (0: from the batch size, `queue_bound`)
 
@@ -133,7 +132,6 @@ def plan_pod(
         largest_queue=largest_queue,
         slots_per_front_end=slots_per_front_end,
         reserved_slot_bytes=reserved,
-        passive_openmp=not cuda,
         max_queue_depth=settings.max_queue_depth,
     )
     plan.warnings.extend(_warnings(settings, machine, plan, largest_queue))

@@ -87,7 +87,7 @@ def _read_model(folder: Path, settings: Settings) -> Chosen:
         if config:
             raise StartupError(f"{folder / CONFIG}: {', '.join(sorted(config))} do not apply to an API of your own")
         if str(folder) not in sys.path:
-            sys.path.insert(0, str(folder))  # spawned workers inherit sys.path, and import the module the same way
+            sys.path.insert(0, str(folder))  # the workers inherit sys.path, and import the module the same way
         return Chosen(folder.name, load_api(str(own["api"])), api_path=own.get("api_path"), batching=batching)
     model = config.pop("model", None) or _model_file(folder)
     path = model if model.startswith("builtin:") else str(folder / model)

@@ -46,6 +46,7 @@ from imgserve.pod import DeviceMemory, PodPlan, available_ram, plan_pod, read_ma
 from imgserve.repository import Chosen, batching_of, catalog_of, chosen_models
 from imgserve.served import Catalog
 from imgserve.startup import StartupError, load_weights, probe_gpu, resolve_device
+from imgserve.supervisor import forkserver
 from imgserve.supervisor.children import Children
 from imgserve.supervisor.lifecycle import Lifecycle
 from imgserve.supervisor.models import ModelControl
@@ -233,12 +234,12 @@ class Processes:
             return _started(mp.get_context("fork").Process(target=front_end_process.run, args=args))
 
         def start_worker(index: int) -> BaseProcess:
-            reader, pipes[index] = mp.get_context("spawn").Pipe(duplex=False)
+            reader, pipes[index] = forkserver.context().Pipe(duplex=False)
             held = {model: weights for model, weights in control.weights.items() if pod.state.models.wanted(model)}
             spec = dataclasses.replace(self.worker, weights=held)
             args = (spec, index, plan.devices[index // plan.workers_per_device], reader)
             try:
-                return _started(mp.get_context("spawn").Process(target=worker_process.run, args=args))
+                return _started(forkserver.context().Process(target=worker_process.run, args=args))
             except (AttributeError, TypeError, pickle.PicklingError) as exc:  # what spawn cannot send to a worker
                 reason = f"cannot start an inference worker with the API: {type(exc).__name__}: {exc}"
                 raise StartupError(reason) from None
@@ -281,8 +282,6 @@ def build(settings: Settings, directory: ServerDirectory, chosen: list[Chosen]) 
     plan = plan_pod(settings, machine, [b.max_batch_size for b in batching], decode_on_device=on_device)
     for warning in plan.warnings:
         log.warning("%s", warning)
-    if plan.passive_openmp:  # workers spawned from now on: OpenMP threads sleep when they wait instead of spinning
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     state = SharedState(plan.workers, plan.slots_per_front_end * plan.front_ends, plan.front_ends, len(chosen))
     catalog = catalog_of(chosen, batching, state.models.kinds, device_type, settings.retry_after_s)
     memory = DeviceMemory(

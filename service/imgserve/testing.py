@@ -37,6 +37,7 @@ from imgserve.worker.batching import BatchRunner
 
 LOOPBACK = "127.0.0.1"
 READY_PATH = "/health/ready"
+FORK_SERVER = "multiprocessing.forkserver"  # in the command line of the fork server and of each worker it forked
 
 
 def free_port() -> int:
@@ -84,14 +85,17 @@ class RunningServer:
         return []
 
     def worker_pids(self) -> list[int]:
-        """Inference workers: the spawned children (spawn_main) of the server."""
+        """Inference workers: the children of the server's fork server (supervisor/forkserver.py), or the spawned
+        children of an imgserve that spawned them (the benchmarks compare with one)."""
         return [process.pid for process in self._workers()]
 
     def _workers(self) -> list[psutil.Process]:
         workers = []
         for process in self.tree()[1:]:
             with contextlib.suppress(psutil.Error):
-                if "spawn_main" in " ".join(process.cmdline()):
+                parent = process.parent()
+                command = " ".join(process.cmdline())
+                if "spawn_main" in command or parent and parent.pid != self.process.pid and FORK_SERVER in command:
                     workers.append(process)
         return workers
 

@@ -9,9 +9,9 @@ endpoint, headers and timeout, `OTEL_SERVICE_NAME` (imgserve when unset), `OTEL_
 exporters are the optional extra `imgserve[tracing]`; `check` refuses the start (one line) when tracing is asked for
 and cannot run.
 
-Every process that traces (each front end, each worker) sets the SDK up itself (`provider`), after it was forked or
-spawned, never the main process before a fork: the exporter's thread does not survive a fork. Spans leave from that
-thread in batches (BatchSpanProcessor), off the request path.
+Every process that traces (each front end, each worker) sets the SDK up itself (`provider`), after it was forked (a
+worker from the fork server, which never starts it), never the main process before a fork: the exporter's thread does
+not survive a fork. Spans leave from that thread in batches (BatchSpanProcessor), off the request path.
 
 What crosses from a front end to a worker with a traced request is one plain string (`carry`): the W3C traceparent
 of the span the worker's spans hang under and the request id, checked on arrival (`carried`). A request id is the

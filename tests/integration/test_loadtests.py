@@ -28,6 +28,7 @@ from loadtests import (
     overhead,
     resnet50,
     sidebyside,
+    start_time,
     tracing_cost,
 )
 from loadtests.lib import closed_loop
@@ -417,3 +418,12 @@ def test_front_end_split_reads_each_front_ends_cpu_in_a_burst(tmp_path: Path) ->
     (row,) = [line for line in out.read_text().splitlines() if line.startswith("| 1 | this |")]
     rps, cpu = float(row.split(" | ")[2]), [float(s) for s in row.split(" | ")[3].strip(" |").split(", ")]
     assert rps > 0 and len(cpu) == 2 and sum(cpu) > 0  # the plan's two front ends on this 2-core machine
+
+
+def test_start_time_times_a_start_and_a_worker_replacement(tmp_path: Path) -> None:
+    out = tmp_path / "start.md"
+    assert start_time.main(["--starts", "1", "--out", str(out)]) == 0
+    (row,) = [line for line in out.read_text().splitlines() if line.startswith("| 1 | this |")]
+    ready_s, pss, replaced_s = (float(cell) for cell in row.strip(" |").split(" | ")[2:])
+    assert 0 < ready_s < 180 and 0 < replaced_s < 120 and pss > 100  # torch alone is over 100 MiB in each worker
+    assert f"| median | this | {ready_s:.2f} | {pss:.0f} | {replaced_s:.2f} |" in out.read_text()

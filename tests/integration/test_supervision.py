@@ -1,6 +1,7 @@
 """The main process supervises every child, tested by kill -9 under load: a dead HTTP front end is replaced (and one
-that keeps dying ends the server), a dead inference worker's requests are answered 503 while it is restarted, and
-nothing outlives a main process killed with -9. (One request on a killed worker, timed:
+that keeps dying ends the server), a dead inference worker's requests are answered 503 while it is restarted (and the
+fork server they start from, killed, takes them with it and is replaced with them), and nothing outlives a main
+process killed with -9. (One request on a killed worker, timed:
 tests/integration/test_faults.py.)"""
 
 from __future__ import annotations
@@ -161,6 +162,27 @@ def test_killed_worker_under_load_costs_only_503s(tmp_path) -> None:
         assert worker not in server.worker_pids()
         assert server.metric("imgserve_worker_restarts_total") == 1
         assert server.metric("imgserve_queue_depth") == 0
+        assert server.zombies() == []
+
+
+def test_a_killed_fork_server_takes_its_workers_and_both_are_replaced(tmp_path) -> None:
+    """The workers' parent (supervisor/forkserver.py) killed under load: the workers die with it, their requests are
+    answered 503, and the next worker start brings a new fork server and new workers that answer."""
+    with running_server(tmp_path) as server:
+        workers = set(server.worker_pids())
+        [fork_server] = {psutil.Process(pid).ppid() for pid in workers}
+        killer = threading.Timer(1.0, os.kill, (fork_server, signal.SIGKILL))
+        killer.start()
+        load = run_closed_loop(f"{server.url}/predict", users=4, seconds=3)
+        killer.join()
+        assert load.failed == 0, load.errors()
+        replaced = lambda: len(fresh := set(server.worker_pids())) == len(workers) and not fresh & workers  # noqa: E731
+        wait_until(replaced, 60, "new workers in place of the fork server's")
+        wait_ready(server, timeout=60)
+        [new_fork_server] = {psutil.Process(pid).ppid() for pid in server.worker_pids()}
+        assert new_fork_server != fork_server and not _alive(fork_server)
+        assert httpx.post(f"{server.url}/predict", content=IMAGE, headers=PNG, timeout=30).status_code == 200
+        assert server.metric("imgserve_worker_restarts_total") == len(workers)
         assert server.zombies() == []
 
 

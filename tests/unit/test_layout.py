@@ -51,7 +51,8 @@ TOP_LEVEL: dict[str, set[str]] = {
         "imgserve.startup",
         "imgserve.repository",
     },  # builds all
-    "imgserve.cli": {"handoff", "tools", "imgserve.server"},  # the command: the only importer of the composition root
+    # the command: the only importer of the composition root, which it imports beside the fork server (supervisor)
+    "imgserve.cli": {"handoff", "supervisor", "tools", "imgserve.server"},
     "imgserve.__main__": {"imgserve.cli"},
 }
 SHARED = {module for module, others in TOP_LEVEL.items() if not others}

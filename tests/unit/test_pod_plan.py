@@ -38,7 +38,7 @@ def test_a_two_core_cpu_pod_as_these_machines_run_it() -> None:
     assert plan.largest_queue == 8 * 2 * 4
     assert plan.queue_bound([8]) == 8 * 2 * 4 and plan.slots_per_front_end == 2 * 64
     assert plan.reserved_slot_bytes == 64 * 3 * Settings().max_image_pixels
-    assert (plan.passive_openmp, plan.warnings) == (True, [])
+    assert plan.warnings == []
 
 
 def test_max_batch_size_auto_starts_at_one_and_makes_room_for_the_largest_batch() -> None:
@@ -71,7 +71,7 @@ def test_workers_per_device_auto_is_one_per_core_on_a_cpu_and_from_the_probe_on_
     plan = plan_pod(Settings(), machine(cpus=16, device_type="cuda", devices=2, probe=probe))
     assert (plan.workers_per_device, plan.workers, plan.devices) == (2, 4, ["cuda:0", "cuda:1"])
     assert "20.0 ms of a worker's CPU and 20.0 ms on the GPU: 2 worker(s)" in plan.workers_per_device_why
-    assert (plan.reserved_slot_bytes, plan.passive_openmp) == (0, False)
+    assert plan.reserved_slot_bytes == 0
 
 
 def test_workers_per_gpu_overlap_the_workers_cpu_work_with_the_gpus() -> None:

@@ -18,7 +18,7 @@ from imgserve.handoff import wire
 from imgserve.handoff.items import InSlot
 from imgserve.handoff.requests import RequestSocket
 
-SPAWN = mp.get_context("spawn")  # as the main process starts its inference workers
+SPAWN = mp.get_context("spawn")  # a worker gets its arguments pickled, from the fork server as from spawn
 
 
 def request(uid: str, slot: int = 0) -> wire.RequestMessage:

@@ -56,7 +56,7 @@ class AnswerSockets:
         self._sender: socket.socket | None = None  # one per process, made on first use
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"addresses": self.addresses, "_sender": None}  # a spawned worker makes its own socket
+        return {"addresses": self.addresses, "_sender": None}  # a worker makes its own socket
 
     def receiver(self, front_end: int) -> FrontEndAnswers:
         """Bind front end `front_end`'s socket (in its own process, before it takes any request)."""

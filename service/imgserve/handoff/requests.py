@@ -29,7 +29,7 @@ FOREVER_S = 24 * 3600.0
 
 
 class RequestSocket:
-    """The workers' shared request queue. Bound in the main process; a spawned worker inherits the receiving
+    """The workers' shared request queue. Bound in the main process; a worker inherits the receiving
     socket (multiprocessing passes its descriptor), a forked front end sends from a socket of its own."""
 
     def __init__(self, directory: Path, name: str = "requests") -> None:

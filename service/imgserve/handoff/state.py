@@ -1,7 +1,7 @@
 """Counters and flags shared by every process of one server: HTTP front ends, inference workers, the main process.
 
-They live in shared memory made by the main process before it starts any child (spawned workers and forked front ends
-alike get them), so no process has to be asked for them and none can take them down with it."""
+They live in shared memory made by the main process before it starts any child (the workers, from the fork server, and
+the forked front ends alike get them), so no process has to be asked for them and none can take them down with it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from imgserve.handoff.model_state import ModelStates
 
 SETUP_FAILURE_BYTES = 2048
 STARTING, READY, FAILED = 0, 1, 2  # a worker process's start-up status
-# spawn-context primitives can be handed to spawned workers and inherited by forked front ends alike.
+# spawn-context primitives can be handed to the workers (the fork server's) and inherited by forked front ends alike.
 _ctx = mp.get_context("spawn")
 
 

@@ -42,7 +42,7 @@ PRIVATE_PER_WORKER = {
 @dataclass
 class SharedWeights:
     """How the workers get the weights: one copy of `nbytes` per device they map, or (neither `path` nor `cuda`
-    set) a private copy each, for `reason`. Small: it travels to each spawned worker."""
+    set) a private copy each, for `reason`. Small: it travels to each worker."""
 
     nbytes: int
     path: Path | None = None  # CPU: the prepared file in /dev/shm

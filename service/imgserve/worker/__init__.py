@@ -1,4 +1,4 @@
-"""The inference workers: spawned processes, each holding the model on its device.
+"""The inference workers: processes forked from the fork server (preload.py), each holding the models on its device.
 
 process (the worker's life and loop) -> gather (take a batch off the request socket) -> serving (set up and measure the
 API; deadlines, slots in and out) -> batching (memory-bounded chunks, the model call, out-of-memory splits) -> tracing

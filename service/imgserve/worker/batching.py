@@ -200,7 +200,7 @@ class BatchRunner:
 def _restart_peak_rss() -> int:
     """Give the heap's free memory back and start this process's peak RSS over from what it holds now (Linux 4.0+:
     /proc/self/clear_refs); returns that. A warm-up's peak is then measured from here, not hidden in freed memory
-    the heap would reuse, nor under an earlier, higher peak: imports, a model load, or in a spawned worker its
+    the heap would reuse, nor under an earlier, higher peak: imports, a model load, or in a worker its
     parent's, which getrusage's ru_maxrss keeps. Where the peak cannot be restarted it reads less than was used."""
     heap.trim()
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:

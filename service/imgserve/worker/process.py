@@ -1,6 +1,6 @@
-"""An inference worker process: spawned by the main process, it sets up the models loaded at its start, then takes
-batches off the request socket and sends each answer to its front end, until the main process stops it (or dies: the
-worker dies with it).
+"""An inference worker process: started by the main process from its fork server, it sets up the models loaded at
+its start, then takes batches off the request socket and sends each answer to its front end, until the main process
+stops it (or dies: the worker dies with it).
 
 While serving, the main process loads and unloads models through the worker's control pipe (`Control`: a msgpack
 message per command, never a pickle): a model is set up on a thread of its own beside the other models' batches,
@@ -44,8 +44,8 @@ TRIM_AFTER_IDLE_S = 2.0  # a worker idle this long gives the memory of its last 
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    """What every worker process is started with (the catalog's APIs are pickled into the spawned process, as
-    LitServe does): the models to set up at its start, with their shared weights."""
+    """What every worker process is started with (the catalog's APIs are pickled into the worker, as LitServe
+    does): the models to set up at its start, with their shared weights."""
 
     catalog: Catalog
     plan: WorkerPlan

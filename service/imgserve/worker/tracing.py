@@ -41,7 +41,7 @@ class Ran:
 
 
 def start() -> None:
-    """In a worker process, after its spawn: trace its batches when the environment says so."""
+    """In a worker process, after its start: trace its batches when the environment says so."""
     global TRACER
     if tracing.enabled():
         TRACER = tracing.provider("worker").get_tracer("imgserve")
