@@ -1,6 +1,7 @@
 """Imported by the fork server the workers are started from (supervisor/forkserver.py), and by nothing else. In that
 process, before it serves: it dies with the main process, its parent; it forks only for the main process; then it
-imports the worker's modules, torch among them, once for every worker it will start.
+imports the worker's modules, torch among them, once for every worker it will start, and freezes them out of the
+garbage collector's reach.
 
 The fork server forks whoever connects to its socket and runs what they send, and Python before 3.14 checks nothing
 but the socket's file mode: a process of the server's own user could have its pickle run. So each connection's peer
@@ -12,6 +13,7 @@ own: the main process held the only other end of its "alive" pipe.
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import socket
 import struct
@@ -44,3 +46,8 @@ die_with_parent(os.getppid())
 reduction.recvfds = from_main_only(reduction.recvfds, os.getppid(), os.getpid())
 
 import imgserve.worker.process  # noqa: E402, F401  # the worker's modules and torch, once the rules above hold
+
+# A forked worker shares these objects until it writes to their pages, and a full garbage collection writes to every
+# object it traverses: the fork server collects once and freezes what is left, so no worker's collector touches them.
+gc.collect()
+gc.freeze()
