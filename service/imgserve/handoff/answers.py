@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ log = logging.getLogger(__name__)
 BUFFER_BYTES = 4 * 1024 * 1024  # asked of the kernel for both ends (capped by net.core.[rw]mem_max)
 MAX_ANSWER_BYTES = 192 * 1024  # more than any answer not written into its slot (worker/serving.py's INLINE_BYTES)
 READ_AT_ONCE = 64  # answers read per wake-up of the front end's event loop, so requests get their turn too
-SEND_TIMEOUT_S = 10.0  # a front end that reads nothing for this long gets its answer dropped (its client: 504)
+SEND_TIMEOUT_S = 10  # a front end that reads nothing for this long gets its answer dropped (its client: 504)
+TIMEVAL = struct.Struct("ll")  # struct timeval: seconds, microseconds
 
 
 class FrontEndAnswers:
@@ -79,8 +81,12 @@ class AnswerSockets:
             log.warning("an answer to front end %d was dropped: %s", front_end, exc)
 
     def _socket(self) -> socket.socket:
+        """A blocking socket with the kernel's own send timeout: a front end whose socket is full (the kernel queues
+        net.unix.max_dgram_qlen datagrams, 10 by default) puts the worker to sleep until it reads. Python's timeout
+        mode would poll instead, and poll calls an unconnected datagram socket always writable: the worker would spin
+        on a core the front end needs to catch up."""
         if self._sender is None:
             self._sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             self._sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER_BYTES)
-            self._sender.settimeout(SEND_TIMEOUT_S)
+            self._sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, TIMEVAL.pack(SEND_TIMEOUT_S, 0))
         return self._sender
