@@ -34,11 +34,9 @@ def front_ends(server: RunningServer) -> list[psutil.Process]:
     resource tracker, the fork server)."""
     workers = set(server.worker_pids())
     helpers = ("resource_tracker", FORK_SERVER)
-    return [
-        process
-        for process in server.tree()[1:]
-        if process.pid not in workers and not any(helper in " ".join(process.cmdline()) for helper in helpers)
-    ]
+    children = [process for process in server.tree()[1:] if process.pid not in workers]
+    commands = {process.pid: " ".join(process.cmdline()) for process in children}
+    return [process for process in children if not any(helper in commands[process.pid] for helper in helpers)]
 
 
 def one_start(source: Path, model: Path, args: argparse.Namespace, work: Path) -> tuple[float, list[float]]:

@@ -32,7 +32,10 @@ def running_server(
     source: Path = SOURCE,
 ) -> Iterator[RunningServer]:
     """Run `command` (which must listen on 127.0.0.1:`port`) until the block ends; yields once it is ready. The
-    server imports the imgserve in `source` (this checkout's by default), whichever one is installed."""
+    server imports the imgserve in `source` (this checkout's by default), whichever one is installed; a `source`
+    without one is refused, or the installed one would pass for it."""
+    if not (source / "imgserve" / "__init__.py").is_file():
+        raise FileNotFoundError(f"no imgserve package in {source}: --before names a checkout's root, with service/")
     environment = {**os.environ, **(env or {})}
     environment.pop("PROMETHEUS_MULTIPROC_DIR", None)  # each imgserve makes its own
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(source), environment.get("PYTHONPATH")]))

@@ -102,6 +102,9 @@ def serve(api: LitAPI | str | Sequence[LitAPI | str] | None = None, **settings: 
             return 2
         from imgserve.supervisor import forkserver
 
+        if forkserver.pid() is not None:
+            print(f"imgserve: {forkserver.FOREIGN}", file=sys.stderr)
+            return 2
         with directory.temporary_files(), forkserver.running(directory.root):
             from imgserve import server  # torch, imported while the fork server imports it too
 

@@ -93,9 +93,8 @@ class RunningServer:
         workers = []
         for process in self.tree()[1:]:
             with contextlib.suppress(psutil.Error):
-                parent = process.parent()
                 command = " ".join(process.cmdline())
-                if "spawn_main" in command or parent and parent.pid != self.process.pid and FORK_SERVER in command:
+                if "spawn_main" in command or process.ppid() != self.process.pid and FORK_SERVER in command:
                     workers.append(process)
         return workers
 

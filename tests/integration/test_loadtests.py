@@ -427,3 +427,15 @@ def test_start_time_times_a_start_and_a_worker_replacement(tmp_path: Path) -> No
     ready_s, pss, replaced_s = (float(cell) for cell in row.strip(" |").split(" | ")[2:])
     assert 0 < ready_s < 180 and 0 < replaced_s < 120 and pss > 100  # torch alone is over 100 MiB in each worker
     assert f"| median | this | {ready_s:.2f} | {pss:.0f} | {replaced_s:.2f} |" in out.read_text()
+
+
+def test_a_source_without_imgserve_is_refused_rather_than_served_by_the_installed_one(tmp_path: Path) -> None:
+    """A --before that names the service folder instead of the checkout's root once ran this tree's code on both sides
+    of a comparison, reading as the code before."""
+    port = free_port()
+    checkout = tmp_path / "checkout"
+    with (
+        pytest.raises(FileNotFoundError, match="no imgserve package"),
+        running_server(serve_command(port), port, tmp_path / "log", "/health/ready", source=checkout / "service"),
+    ):
+        pass

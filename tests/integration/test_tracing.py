@@ -5,7 +5,9 @@ replaced, never echoed."""
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -44,6 +46,34 @@ def builtin(receiver: otlp.Receiver) -> Iterator[Server]:
         for key, value in otlp.environment(receiver).items():
             patch.setenv(key, value)
         with running_server(grpc_port=free_port(), access_log="true") as server:
+            yield server
+
+
+# What a launcher such as opentelemetry-instrument does at every interpreter's start: a global tracer provider, here
+# exporting each span as it ends to the same receiver, as another service.
+GLOBAL_PROVIDER = """
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+provider = TracerProvider(resource=Resource.create({"service.name": "instrumented"}))
+provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter()))
+trace.set_tracer_provider(provider)
+"""
+
+
+@pytest.fixture(scope="module")
+def instrumented(receiver: otlp.Receiver, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The built-in model, traced, in processes that each set a global tracer provider as they start."""
+    site = tmp_path_factory.mktemp("instrumented")
+    (site / "sitecustomize.py").write_text(GLOBAL_PROVIDER)
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in otlp.environment(receiver).items():
+            patch.setenv(key, value)
+        patch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+        with running_server() as server:
             yield server
 
 
@@ -255,3 +285,18 @@ def test_grpc_errors_end_their_trace_with_the_grpc_status(builtin: Server, recei
     server = one(whole_trace(receiver, trace_id, {name}), name)
     assert server.status == "ERROR" and server.attributes["rpc.grpc.status_code"] == grpc.StatusCode.NOT_FOUND.value[0]
     assert server.attributes["imgserve.request_id"] == "missing-1"
+
+
+def test_a_global_tracer_provider_adds_no_second_server_span(instrumented: Server, receiver: otlp.Receiver) -> None:
+    """FastAPI traces every request itself wherever a global provider is set (fastapi >= 0.142), unless imgserve
+    turns that off: the trace would hold a second server span, of another service."""
+    trace_id = "1af7651916cd43dd8448eb211c80319c"
+    headers = {"content-type": "image/png", "traceparent": traceparent(trace_id), "x-request-id": "instrumented-1"}
+    answer = httpx.post(f"{instrumented.url}/predict", content=image_bytes(32, 32), headers=headers, timeout=30)
+    assert answer.status_code == 200
+    whole_trace(receiver, trace_id, {"POST /predict", "predict", "encode_response"})
+    time.sleep(1.0)  # a span exported as it ended came long before the batched ones; this is for a slow machine
+    spans = whole_trace(receiver, trace_id, set())
+    services = {(span.service, span.kind, name) for name, named in spans.items() for span in named}
+    assert {service for service, _, _ in services} == {"imgserve"}, sorted(services)
+    check_tree(spans, "POST /predict", "instrumented-1", "denoiser")

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import time
+from multiprocessing import forkserver as mp_forkserver
 from multiprocessing.connection import Connection
 
 import psutil
@@ -53,6 +54,7 @@ def gone(pid: int) -> bool:
 
 def test_a_child_of_the_fork_server_starts_imported_and_goes_with_the_block(tmp_path) -> None:
     tempdir_before = mp.current_process()._config.get("tempdir")
+    preload_before = list(mp_forkserver._forkserver._preload_modules)
     with forkserver.running(tmp_path):
         server = forkserver.pid()
         assert server is not None and psutil.Process(server).ppid() == os.getpid()
@@ -76,3 +78,30 @@ def test_a_child_of_the_fork_server_starts_imported_and_goes_with_the_block(tmp_
     assert gone(server) and gone(child.pid), "the fork server or its child outlived the block"
     assert list(tmp_path.iterdir()) == [] and forkserver.pid() is None
     assert mp.current_process()._config.get("tempdir") == tempdir_before
+    assert mp_forkserver._forkserver._preload_modules == preload_before
+
+
+PROGRAM_WITH_ITS_OWN = """
+import multiprocessing as mp, os, time
+from multiprocessing import forkserver
+
+child = mp.get_context("forkserver").Process(target=time.sleep, args=(0,))
+child.start()
+child.join()
+own = forkserver._forkserver._forkserver_pid
+import imgserve
+from imgserve.testing import free_port
+
+code = imgserve.serve(port=free_port())
+os.kill(own, 0)  # its fork server lives on
+print(code, forkserver._forkserver._forkserver_pid == own)
+"""
+
+
+def test_a_program_that_runs_its_own_fork_server_is_told_in_one_line_and_keeps_it(tmp_path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", PROGRAM_WITH_ITS_OWN], capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2", "True"]
+    assert done.stderr.strip() == f"imgserve: {forkserver.FOREIGN}"

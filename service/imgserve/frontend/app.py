@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI
+from fastapi.telemetry import TelemetryConfig
 from starlette.routing import Route
 
 from imgserve import heap
@@ -34,6 +35,11 @@ from imgserve.handoff.requests import ModelRequests
 from imgserve.handoff.state import SharedState
 from imgserve.litapi import LitServeAPI
 from imgserve.served import Catalog
+
+# imgserve's own spans and metrics are the server's (frontend/tracing.py, telemetry.py). FastAPI's native telemetry
+# would add a second server span of every request wherever a global OpenTelemetry provider is set (the
+# opentelemetry-instrument launcher sets one), and costs every request its providers' look-up even where none is.
+NO_FASTAPI_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
 
 
 class FrontEnd:
@@ -59,7 +65,9 @@ class FrontEnd:
         self.repository = Repository(catalog, state, settings.model_control == "explicit")
         servicer = grpc_service.Servicer(self.models, self.repository, settings, keys)
         self.grpc_servicer = servicer if self.serves_grpc else None
-        self.app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None, lifespan=self.lifespan)
+        self.app = FastAPI(
+            openapi_url=None, docs_url=None, redoc_url=None, lifespan=self.lifespan, telemetry=NO_FASTAPI_TELEMETRY
+        )
         self._add_routes()
         self._add_middlewares(inference.admission)
         install_handlers(self.app)

@@ -145,8 +145,12 @@ def _hook(step: Callable[..., T], name: str, seconds: Any, *args: Any) -> T:
 
 
 async def _all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
-    """Await them all side by side, each to its end; then raise the first failure, if any."""
-    results = await asyncio.gather(*awaitables, return_exceptions=True)
+    """Await them all side by side, each to its end; then raise the first failure, if any. A call of one item (the
+    usual one) is awaited in place: a task of its own would cost the front end more than the hand-off's send."""
+    pending = list(awaitables)
+    if len(pending) == 1:
+        return [await pending[0]]
+    results = await asyncio.gather(*pending, return_exceptions=True)
     for result in results:
         if isinstance(result, BaseException):
             raise result

@@ -42,8 +42,9 @@ def from_main_only(receive: Callable[..., Any], main_pid: int, fork_server_pid: 
     return checked
 
 
-die_with_parent(os.getppid())
-reduction.recvfds = from_main_only(reduction.recvfds, os.getppid(), os.getpid())
+MAIN_PID = os.getppid()
+die_with_parent(MAIN_PID)
+reduction.recvfds = from_main_only(reduction.recvfds, MAIN_PID, os.getpid())
 
 import imgserve.worker.process  # noqa: E402, F401  # the worker's modules and torch, once the rules above hold
 
