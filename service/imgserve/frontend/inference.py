@@ -145,12 +145,10 @@ def _hook(step: Callable[..., T], name: str, seconds: Any, *args: Any) -> T:
 
 
 async def _all(awaitables: Iterable[Awaitable[T]]) -> list[T]:
-    """Await them all side by side, each to its end; then raise the first failure, if any. A call of one item (the
-    usual one) is awaited in place: a task of its own would cost the front end more than the hand-off's send."""
-    pending = list(awaitables)
-    if len(pending) == 1:
-        return [await pending[0]]
-    results = await asyncio.gather(*pending, return_exceptions=True)
+    """Await them all side by side, each to its end; then raise the first failure, if any. A call of one item too: its
+    task's turn through the event loop lets requests that arrived with it be admitted before it is sent, so a worker
+    sees them queued and batches them together (it closes a lone request's batch at once, worker/gather.py)."""
+    results = await asyncio.gather(*awaitables, return_exceptions=True)
     for result in results:
         if isinstance(result, BaseException):
             raise result
