@@ -111,18 +111,26 @@ class CpuWindow:
         self.server = server
         self._client = psutil.Process()
         self._marks: list[tuple[float, ...]] = []  # (time, client, server, workers' CPU s) at start and end
-        self._timers = [threading.Timer(start_s, self._mark), threading.Timer(start_s + seconds, self._mark)]
+        self._over = threading.Event()
+        # One thread takes both marks, in order (two timers could append them swapped on a loaded machine).
+        self._thread = threading.Thread(target=self._mark_window, args=(start_s, seconds), daemon=True)
 
     def __enter__(self) -> Self:
-        for timer in self._timers:
-            timer.start()
+        self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for timer in self._timers:
-            timer.cancel()
+        self._over.set()
+        self._thread.join()
         while len(self._marks) < 2:  # the block ended early: its end closes the window
             self._mark()
+
+    def _mark_window(self, start_s: float, seconds: float) -> None:
+        end = time.monotonic() + start_s + seconds
+        if not self._over.wait(start_s):
+            self._mark()
+            if not self._over.wait(max(end - time.monotonic(), 0.0)):
+                self._mark()
 
     def _mark(self) -> None:
         client = sum(self._client.cpu_times()[:2])

@@ -439,3 +439,33 @@ def test_a_source_without_imgserve_is_refused_rather_than_served_by_the_installe
         running_server(serve_command(port), port, tmp_path / "log", "/health/ready", source=checkout / "service"),
     ):
         pass
+
+
+class SlowFirstRead(RunningServer):
+    """A real server process whose first CPU read takes 1 s, as a read can on a loaded machine (labelled stand-in:
+    the load itself cannot be had on cue)."""
+
+    reads = 0
+
+    def tree_cpu_s(self) -> float:
+        self.reads += 1
+        if self.reads == 1:
+            time.sleep(1.0)
+        return super().tree_cpu_s()
+
+
+def test_a_slow_first_mark_still_opens_the_cpu_window(tmp_path: Path) -> None:
+    """Two timers once took the window's marks: a start mark slower than the window appended after the end mark, and
+    the window read -590,000,000 cores in CI."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        with CpuWindow(SlowFirstRead("http://127.0.0.1:1", sleeper, tmp_path / "log"), 0.1, 0.3) as cpu:
+            time.sleep(0.15)
+            until = time.perf_counter() + 0.2  # spins in the window
+            while time.perf_counter() < until:
+                pass
+            time.sleep(1.2)
+        assert 0 <= cpu.client_cores < 0.5 and 0 <= cpu.server_cores < 0.2, (cpu.client_cores, cpu.server_cores)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
