@@ -95,20 +95,20 @@ def serve(api: LitAPI | str | Sequence[LitAPI | str] | None = None, **settings: 
     except OSError as exc:
         print(f"imgserve: cannot make the server's private directory: {exc}", file=sys.stderr)
         return 2
+    from imgserve.supervisor import forkserver
+
     try:
         problem = _use_metrics_directory(directory.metrics)
         if problem:
             print(f"imgserve: {problem}", file=sys.stderr)
             return 2
-        from imgserve.supervisor import forkserver
-
-        if forkserver.pid() is not None:
-            print(f"imgserve: {forkserver.FOREIGN}", file=sys.stderr)
-            return 2
         with directory.temporary_files(), forkserver.running(directory.root):
             from imgserve import server  # torch, imported while the fork server imports it too
 
             return server.serve(resolved, directory, apis)
+    except forkserver.ForeignForkServer as exc:  # raised before the server starts
+        print(f"imgserve: {exc}", file=sys.stderr)
+        return 2
     finally:
         directory.remove()
 

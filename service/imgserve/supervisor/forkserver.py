@@ -37,13 +37,17 @@ FOREIGN = (
 )
 
 
+class ForeignForkServer(RuntimeError):
+    """This process runs a fork server that is not the server's (FOREIGN): the server does not start."""
+
+
 @contextlib.contextmanager
 def running(private: Path) -> Iterator[None]:
     """The fork server, started now (it imports while the caller goes on) with its socket in `private`, and ended
     when the block ends, with any worker still alive: a later server starts its own, in its own environment.
-    RuntimeError (FOREIGN) where this process runs a fork server already."""
+    ForeignForkServer where this process runs a fork server already."""
     if pid() is not None:
-        raise RuntimeError(FOREIGN)
+        raise ForeignForkServer(FOREIGN)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     config = mp.current_process()._config  # type: ignore[attr-defined]
     before = config.get("tempdir")
