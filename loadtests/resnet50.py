@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import os
 import re
 import shlex
 import statistics
@@ -46,7 +45,9 @@ ALONE_BATCH = 8
 SERVED_GOAL = 1.2  # the compiled server's answers/s over the eager one's, at 16 and 64 clients
 COMPILE_READY_S = 900.0  # a first compile of every batch size, on a busy 2-core machine
 MAX_WARMUP_S = 30.0
-COMPILED_LINE = re.compile(r"model compiled for .* in ([\d.]+) s: (\d+) graphs, (\d+) of them from the cache")
+COMPILED_LINE = re.compile(
+    r"model compiled for .* in ([\d.]+) s: (\d+ graphs, \d+ of them from the cache|frozen into a package, [a-z ]+)"
+)
 
 
 @dataclass
@@ -64,12 +65,11 @@ class Alone:
 def measure_alone(model: Path, seconds: float, alone: Alone, cache: Path) -> None:
     """Each way of running the model, on one thread at batch ALONE_BATCH; compiled code is cached in `cache`, apart
     from the servers' (whose first start must find none)."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for name in (EAGER, COMPILED):
-            rate, first_s = resnet.ModelAlone(model, compiled=name == COMPILED).images_per_s(ALONE_BATCH, seconds)
+            rate, first_s = resnet.ModelAlone(model, name == COMPILED, cache).images_per_s(ALONE_BATCH, seconds)
             alone.add(name, rate, first_s)
     finally:
         torch.set_num_threads(threads)
@@ -133,9 +133,10 @@ def restarts(contender: Contender, count: int, work: Path) -> list[Started]:
 
 
 def compile_summary(start: Started) -> str:
-    """What each worker's log says of its compile: seconds, graphs, and how many the cache held."""
+    """What each worker's log says of its compile: seconds, and the graphs the cache held or where the package came
+    from."""
     found = COMPILED_LINE.findall(start.log)
-    return " + ".join(f"{seconds} s ({hits} of {graphs} graphs cached)" for seconds, graphs, hits in found) or "-"
+    return " + ".join(f"{seconds} s ({how})" for seconds, how in found) or "-"
 
 
 def render(alone: Alone, results: Results, plan: list[Cell], starts: dict[str, list[Started]], workers: int) -> str:

@@ -207,7 +207,8 @@ def report(results: Results, plan: list[Cell]) -> str:
             for name in cell.contenders:
                 storm, own = results.rps[(cell.name, name)], results.rps[(C64, name)]
                 lines.append(_ratio_line(f"{name}: storm goodput / its c=64", storm, own))
-    lines += ["", "| contender | idle PSS MiB (each round) | median MiB |", "|---|---|---|"]
+    if results.idle_pss:
+        lines += ["", "| contender | idle PSS MiB (each round) | median MiB |", "|---|---|---|"]
     for name, values in results.idle_pss.items():
         each = ", ".join(f"{value / 2**20:.0f}" for value in values)
         lines.append(f"| {name} | {each} | {statistics.median(values) / 2**20:.0f} |")

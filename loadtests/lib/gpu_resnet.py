@@ -4,7 +4,6 @@ GPU's busy share (NVML, through imgserve_gpu_utilization_ratio) and against the 
 
 from __future__ import annotations
 
-import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,9 +40,8 @@ class Alone:
 
 def model_alone(model: Path, device: str, seconds: float, cache: Path) -> Alone:
     """The exported program on pre-decoded tensors on `device`, eager then compiled (its code cached in `cache`)."""
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-    eager, _ = resnet.ModelAlone(model, compiled=False, device=device).images_per_s(ALONE_BATCH, seconds)
-    compiled, compile_s = resnet.ModelAlone(model, compiled=True, device=device).images_per_s(ALONE_BATCH, seconds)
+    eager, _ = resnet.ModelAlone(model, False, cache, device).images_per_s(ALONE_BATCH, seconds)
+    compiled, compile_s = resnet.ModelAlone(model, True, cache, device).images_per_s(ALONE_BATCH, seconds)
     return Alone(eager, compiled, compile_s)
 
 

@@ -307,9 +307,9 @@ class BuiltinModel(Concern):
     )
     compile: bool | None = Field(
         None,
-        description="torch.compile the model in each worker, for every batch size, before it is ready; unset = on "
-        f"for a fixed --input-size on a {COMPILE_DEFAULTS} (measured faster), else off. A model of any input size "
-        "may compile again for a new size, on a request; TorchScript and AOTInductor packages are compiled already.",
+        description="torch.compile the model in each worker for every batch size before it is ready (a fixed-size "
+        "fp32 torch.export program on a CPU: frozen into one AOTInductor package); unset = on for a fixed "
+        f"--input-size on a {COMPILE_DEFAULTS} (measured faster), else off. TorchScript and AOTInductor are compiled.",
     )
     compile_cache_dir: str | None = Field(
         None,

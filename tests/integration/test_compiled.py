@@ -30,6 +30,7 @@ pytestmark = pytest.mark.timeout(900)  # a first compile takes minutes on a busy
 SIDE = 32
 READY_S = 600
 CACHED = re.compile(r"(\d+) graphs, (\d+) of them from the cache")
+FROZEN = re.compile(r"frozen into a package, (made|found in the cache)")
 
 
 class SmallNet(nn.Module):
@@ -110,33 +111,52 @@ def test_every_batch_size_and_thread_count_is_compiled_before_the_model_is_ready
             runs[compile_it] += [worker.predict(images[:size]) for size in (3, 1, 4, 2)]
         torch.set_num_threads(2)
         if compile_it:
-            assert isinstance(api.runner.call, compiled.CompiledModel)
+            assert isinstance(api.runner.call, compiled.CompiledModel) and api.runner.call.frozen == "made"
             assert api.runner.call.late_graphs == 0 and compiled.graphs_compiled() == before
     for eager, fast in zip(runs[False], runs[True], strict=True):
         for one, other in zip(eager, fast, strict=True):
             assert np.allclose(one, other, atol=1e-4)
 
 
-def test_a_restart_reuses_the_compiled_code_and_answers_as_the_eager_server(models, tmp_path: Path) -> None:
-    """On a CPU a model of a fixed input size is compiled by default: the first compiled server compiles (its log
-    counts the graphs the cache already held: not all of them), a second one with the same cache directory finds
-    every graph there; both answer as the eager server does."""
+def test_a_restart_reuses_the_frozen_package_and_answers_as_the_eager_server(models, tmp_path: Path) -> None:
+    """On a CPU a model of a fixed input size in fp32 is compiled by default, frozen into one package: the first
+    compiled server's first worker makes it (the others wait and load it), a second server with the same cache
+    directory only loads it; both answer as the eager server does."""
     data = image_bytes(48, 40, seed=3)
     settings = {"model": str(models["export"]), "compile_cache_dir": str(tmp_path / "cache"), "max_batch_size": 4}
     answers, found = [], []
     for compile_it in ({"compile": "false"}, {}, {"compile": "true"}):
         with served({**settings, **compile_it}, tmp_path) as server:
             answers.append(scores(server, data))
-            found += [tuple(map(int, match)) for match in CACHED.findall(server.log())]
+            found.append(FROZEN.findall(server.log()))
     assert [index for index, _ in answers[1]] == [index for index, _ in answers[0]] == [i for i, _ in answers[2]]
     assert np.allclose([s for _, s in answers[1]], [s for _, s in answers[0]], atol=1e-4)
+    assert found[0] == [] and sorted(found[1]) == ["found in the cache"] * (len(found[1]) - 1) + ["made"], found
+    assert found[2] and set(found[2]) == {"found in the cache"}, found
+    assert len(list((tmp_path / "cache").glob("frozen-*.pt2"))) == 1
+    assert (tmp_path / "cache").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_restart_reuses_torch_compiles_graphs_where_the_model_is_not_frozen(models, tmp_path: Path) -> None:
+    """bf16 runs under autocast, which a package cannot hold: torch.compile's graphs instead, cached. The first
+    compiled server compiles (its log counts the graphs the cache already held: not all of them), a second one with
+    the same cache directory finds every graph there; both answer as the eager server does, at bf16's precision."""
+    data = image_bytes(48, 40, seed=3)
+    cache = tmp_path / "cache"
+    settings = {"model": str(models["export"]), "compile_cache_dir": str(cache), "max_batch_size": 4}
+    answers, found = [], []
+    for compile_it in ({"compile": "false"}, {"compile": "true"}, {"compile": "true"}):
+        with served({**settings, "precision": "bf16", **compile_it}, tmp_path) as server:
+            answers.append(scores(server, data))
+            found += [tuple(map(int, match)) for match in CACHED.findall(server.log())]
+    assert [index for index, _ in answers[1]] == [index for index, _ in answers[0]] == [i for i, _ in answers[2]]
+    assert np.allclose([s for _, s in answers[1]], [s for _, s in answers[0]], atol=2e-2)
     workers = len(found) // 2
     first, second = found[:workers], found[workers:]
     assert all(graphs > 0 for graphs, _ in found) and workers >= 1
     assert any(hits < graphs for graphs, hits in first), first
     assert all(hits == graphs for graphs, hits in second), second
-    assert (tmp_path / "cache").stat().st_mode & 0o777 == 0o700
-    assert len(list((tmp_path / "cache").glob("warmed-*"))) == 1  # the third server's workers read it all at once
+    assert len(list(cache.glob("warmed-*"))) == 1 and not list(cache.glob("frozen-*"))
 
 
 def test_a_cache_directory_another_user_can_write_is_refused(models, tmp_path: Path) -> None:

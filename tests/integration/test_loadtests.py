@@ -21,6 +21,7 @@ from loadtests import (
     admission_cost,
     bench,
     capacity,
+    compile_ways,
     decode,
     front_end_split,
     gpu_check,
@@ -375,6 +376,26 @@ def test_decode_reports_whole_and_reduced_decodes_and_the_input_difference(tmp_p
     assert "**met**" in out.read_text()
 
 
+def test_compile_ways_runs_each_way_in_fresh_processes_and_holds_its_logits_to_eagers(tmp_path: Path) -> None:
+    """A small exported convolutional net (the ResNet-50's compiles take minutes on 2 cores), two rounds: every way
+    computes eager's logits, and the second round's process warms up from the way's filled cache."""
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1)
+    ).eval()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(net, (torch.rand(2, 3, 32, 32),), dynamic_shapes=({0: batch},))
+    torch.export.save(program, str(tmp_path / "net.pt2"))
+    out = tmp_path / "ways.md"
+    argv = ["--model", str(tmp_path / "net.pt2"), "--size", "32", "--rounds", "2", "--seconds", "0.05"]
+    assert compile_ways.main([*argv, "--batches", "1", "4", "--out", str(out)]) == 0
+    rows = {cells[0][2:]: cells for cells in (line.split(" | ") for line in out.read_text().splitlines())}
+    rows = {way: cells for way, cells in rows.items() if way in compile_ways.WAYS}
+    assert list(rows) == list(compile_ways.WAYS)
+    for way, cells in rows.items():
+        assert cells[1].endswith("x)") and float(cells[3]) > 0 and float(cells[4]) > 0, way  # rates, both warm-ups
+        assert float(cells[-1].rstrip(" |")) < 1e-4, way  # the same logits as eager's
+
+
 def test_resnet50_cells_check_a_classifiers_scores_from_polite_clients() -> None:
     """Each load's answers are judged as a classifier's, by users that wait Retry-After, after a warm-up of seconds
     (the cells once took check_scores for the retry-storm flag and the warm-up for the check: every user died)."""
@@ -394,22 +415,30 @@ def test_resnet50_holds_the_compiled_server_to_1_2x_the_eager_one(compiled: floa
         {resnet50.EAGER: 14.0, resnet50.COMPILED: 18.0}, {resnet50.EAGER: 1.0, resnet50.COMPILED: 16.0}
     )
     compiled_log = (
-        "x model compiled for batches of 1 to 8 on 2 and 1 threads in {} s: 4 graphs, {} of them from the cache"
+        "x model compiled for batches of 1 to 8 on 2 and 1 threads in {} s: 4 graphs, {} of them from the cache in /c"
     )
+    frozen_log = "x model compiled for batches of 1 to 8 on 2 and 1 threads in 2.5 s: frozen into a package, {}: /c/f"
     starts = {
         resnet50.EAGER: [resnet50.Started(9.0, "")],
         resnet50.COMPILED: [
             resnet50.Started(90.0, compiled_log.format(80.5, 0) + "\n" + compiled_log.format(81.0, 4)),
             resnet50.Started(12.0, compiled_log.format(3.5, 4)),
+            resnet50.Started(5.0, frozen_log.format("made") + "\n" + frozen_log.format("found in the cache")),
         ],
     }
     report = resnet50.render(alone, results, plan, starts, 2)
+    assert "idle PSS" not in report  # no server idled for a reading here: no empty table
     assert report.count("**met**" if met else "**missed**") == (3 if met else 2)  # the second start: met
     assert "| eager | 14.0 | 1.0 | 28.0 |" in report and "| compiled | 18.0 | 16.0 | 36.0 |" in report
     assert (
-        "compiled, empty cache 90.0 s (its workers' compile, one at a time: 80.5 s (0 of 4 graphs cached) + " in report
+        "compiled, empty cache 90.0 s (its workers' compile, one at a time: 80.5 s (4 graphs, 0 of them from the "
+        "cache) + " in report
     )
-    assert "the same cache again 12.0 s (3.5 s (4 of 4 graphs cached))." in report
+    assert (
+        "the same cache again 12.0 s (3.5 s (4 graphs, 4 of them from the cache)); 5.0 s (2.5 s (frozen into a "
+        in report
+    )
+    assert "package, made) + 2.5 s (frozen into a package, found in the cache))." in report
 
 
 def test_front_end_split_reads_each_front_ends_cpu_in_a_burst(tmp_path: Path) -> None:

@@ -8,7 +8,14 @@ batches, which a kernel choice of its own may split further; torch also guards e
 was compiled at. `warm_up` runs every batch size on each thread count the worker uses before it reports ready. A
 graph compiled after that is one a request waited for: it is counted (`late_graphs`) and logged.
 
-Compiled CPU kernels keep the thread count they were compiled at (kernels that read it at run time,
+On a CPU, a torch.export program of a fixed input size in fp32 is frozen instead (`freezes`): exported again with
+its batch dynamic, and compiled by AOTInductor with Inductor's freezing (batch norms folded into the convolutions,
+the weights packed for oneDNN) into one package in the cache directory, which every worker loads; a restart only
+loads it. It is the faster way there (docs/benchmarks.md). Its own kernels run on one thread; oneDNN's convolutions
+take the worker's thread count as they run. Other modules keep torch.compile, which still runs the Python they hold
+(a traced program holds none), as does a program torch.export cannot trace again (with a warning).
+
+torch.compile's CPU kernels keep the thread count they were compiled at (kernels that read it at run time,
 `cpp.dynamic_threads`, ran the ResNet-50 about a third slower), so each of the worker's two thread counts, alone and
 under load, gets kernels of its own. Torch runs the code it finds in the cache directory, so that directory must be
 this user's, writable by no other (`cache_directory`).
@@ -37,6 +44,9 @@ log = logging.getLogger(__name__)
 CACHE_FOLDER = Path("imgserve", "compiled")  # under $XDG_CACHE_HOME (~/.cache) when no directory is set
 LOCK = "imgserve.lock"  # in the cache directory: held by the process that is compiling into it
 SHARED_WRITE = stat.S_IWGRP | stat.S_IWOTH
+FROZEN_ON = ("cpu",)  # device kinds whose fixed-size fp32 models are frozen into a package (docs/benchmarks.md)
+# Freezing, with the package's own kernels on one thread, and a dynamic batch that may be a batch of one.
+FREEZING = {"freezing": True, "cpp.threads": 1, "aot_inductor.check_lowerbound": False}
 
 
 def wanted(setting: bool | None, device_type: str, model: torch.nn.Module, fixed_size: bool) -> bool:
@@ -51,6 +61,12 @@ def wanted(setting: bool | None, device_type: str, model: torch.nn.Module, fixed
     if setting is None:
         return not kind and fixed_size and COMPILED_BY_DEFAULT[device_type]
     return not kind and setting
+
+
+def freezes(model: torch.nn.Module, device_type: str, fixed_size: bool, precision: str) -> bool:
+    """Whether a compiled model is frozen into a package: a traced program (a torch.export .pt2's module) of a fixed
+    input size, in fp32 (a package cannot hold autocast), on a device kind where that is measured faster."""
+    return isinstance(model, torch.fx.GraphModule) and fixed_size and precision == "fp32" and device_type in FROZEN_ON
 
 
 def cache_directory(setting: str | None) -> Path:
@@ -99,16 +115,31 @@ def graphs_compiled() -> int:
 class CompiledModel:
     """A model under torch.compile, its code cached in `cache`; `any_size`: the height and width vary too."""
 
-    def __init__(self, model: torch.nn.Module, cache: Path, any_size: bool, warm_key: str) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cache: Path,
+        any_size: bool,
+        warm_key: str,
+        freeze: bool = False,
+        largest: int | None = None,
+    ) -> None:
+        """`freeze`: into a package for batches of up to `largest` (None: any), else torch.compile."""
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # read when the first graph is compiled
         _thread_lock_for_tqdm()
+        self.model, self.freeze, self.largest = model, freeze, largest
         self.function: Callable[[torch.Tensor], Any] = torch.compile(model)
         self.cache, self.dims = cache, (0, 2, 3) if any_size else (0,)
         self.warmed = cache / f"warmed-{warm_key}"  # made once a warm-up of this key has filled the cache
+        self.package = cache / f"frozen-{warm_key}.pt2"
+        self.frozen: str | None = None  # how the package came: "made" or "found in the cache"
         self.late_graphs = 0
         self._ready = False
 
     def __call__(self, batch: torch.Tensor) -> Any:
+        if self.freeze:  # the first call: freeze, or stay with torch.compile
+            self.freeze = False
+            self.function = self._frozen(batch) or self.function
         for dim in self.dims:
             torch._dynamo.maybe_mark_dynamic(batch, dim)
         before = graphs_compiled()
@@ -117,6 +148,26 @@ class CompiledModel:
             self.late_graphs += graphs_compiled() - before
             log.warning("the model was compiled again for a batch of shape %s: that batch waited", tuple(batch.shape))
         return output
+
+    def _frozen(self, example: torch.Tensor) -> NativeModule | None:
+        """The package for this key, made from the model on `example`'s layout if the cache lacks it; None where
+        torch.export cannot trace the model."""
+        if self.package.exists():
+            self.frozen = "found in the cache"
+            return NativeModule(self.package)
+        pair = torch.cat([example[:1], example[:1]])  # a batch of two: export would fix a batch of one's size
+        batch = torch.export.Dim("batch", min=1, max=self.largest)
+        try:
+            program = torch.export.export(self.model, (pair,), dynamic_shapes=({0: batch},))
+        except Exception as exc:
+            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+            log.warning("torch.export cannot trace the model (%s): compiling it with torch.compile", reason)
+            return None
+        part = self.package.with_name(f".{os.getpid()}-{self.package.name}")  # renamed into place once whole
+        torch._inductor.aoti_compile_and_package(program, package_path=str(part), inductor_configs=FREEZING)
+        part.replace(self.package)
+        self.frozen = "made"
+        return NativeModule(self.package)
 
     @contextlib.contextmanager
     def compiling(self) -> Iterator[None]:
@@ -136,6 +187,9 @@ class CompiledModel:
         by `run`ning batches, after the caller's batch of one on the first count: each size on the first count, then
         on the others only the sizes that opened a graph (the rest pass its guards). From then on a new graph is one
         a request waited for."""
+        self._ready = True
+        if self.frozen is not None:  # a package runs every batch size as it is: nothing to compile
+            return
         opened = [1]
         for index, count in enumerate(threads):
             torch.set_num_threads(count)
@@ -144,9 +198,10 @@ class CompiledModel:
                 run(size)
                 if index == 0 and graphs_compiled() > before:
                     opened.append(size)
-        self._ready = True
 
     def describe(self) -> str:
-        """How many graphs were compiled, and how many of them the cache directory already held."""
+        """How many graphs were compiled, and how many of them the cache directory already held; or the package."""
+        if self.frozen is not None:
+            return f"frozen into a package, {self.frozen}: {self.package}"
         found = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
         return f"{graphs_compiled()} graphs, {found} of them from the cache in {self.cache}"

@@ -67,7 +67,9 @@ class ModelRunner:
         if compiled.wanted(settings.compile, device.type, model, fixed_size):
             cache = compiled.cache_directory(settings.compile_cache_dir)
             key = compiled.warm_key(settings, max_batch_size, device.type)
-            runner.call = compiled.CompiledModel(model, cache, any_size=not fixed_size, warm_key=key)
+            freeze = compiled.freezes(model, device.type, fixed_size, settings.precision)
+            largest = None if max_batch_size == "auto" else max_batch_size
+            runner.call = compiled.CompiledModel(model, cache, not fixed_size, key, freeze, largest)
             runner.compile_required = bool(settings.compile)
         return runner
 
