@@ -100,10 +100,11 @@ def cells(limit_per_s: float) -> list[Cell]:
 
 
 class Started(NamedTuple):
-    """How a server started: the seconds until it was ready, and its log then."""
+    """How a server started: the seconds until it was ready, its log then, and its processes' summed PSS then."""
 
     ready_s: float
     log: str
+    pss: int = 0
 
 
 def measure_served(
@@ -115,7 +116,8 @@ def measure_served(
         running = {}
         for contender in contenders:
             server, ready_s = stack.enter_context(serving(contender, work))
-            running[contender.name], starts[contender.name] = server, [Started(ready_s, server.log())]
+            running[contender.name] = server
+            starts[contender.name] = [Started(ready_s, server.log(), server.tree_pss())]
         for cell in plan:
             for index in range(pairs):
                 for name in turns(list(running), index):
@@ -128,7 +130,7 @@ def restarts(contender: Contender, count: int, work: Path) -> list[Started]:
     found = []
     for _ in range(count):
         with serving(contender, work) as (server, ready_s):
-            found.append(Started(ready_s, server.log()))
+            found.append(Started(ready_s, server.log(), server.tree_pss()))
     return found
 
 
@@ -161,6 +163,9 @@ def render(alone: Alone, results: Results, plan: list[Cell], starts: dict[str, l
         + ("; ".join(f"{s.ready_s:.1f} s ({compile_summary(s)})" for s in later) or "-")
         + ".",
         "",
+        f"Summed PSS of the server's processes at ready: eager {_mib(starts[EAGER])}; compiled {_mib([first])} "
+        f"(empty cache), {_mib(later)} (with the cache).",
+        "",
         "Targets (measured):",
     ]
     for cell in plan[1:]:
@@ -178,6 +183,10 @@ def render(alone: Alone, results: Results, plan: list[Cell], starts: dict[str, l
             f"— **{'met' if met else 'missed'}**"
         )
     return "\n".join(lines)
+
+
+def _mib(starts: list[Started]) -> str:
+    return ", ".join(f"{start.pss / 2**20:.0f}" for start in starts) + " MiB" if starts else "-"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -419,7 +419,7 @@ def test_resnet50_holds_the_compiled_server_to_1_2x_the_eager_one(compiled: floa
     )
     frozen_log = "x model compiled for batches of 1 to 8 on 2 and 1 threads in 2.5 s: frozen into a package, {}: /c/f"
     starts = {
-        resnet50.EAGER: [resnet50.Started(9.0, "")],
+        resnet50.EAGER: [resnet50.Started(9.0, "", 900 * 2**20)],
         resnet50.COMPILED: [
             resnet50.Started(90.0, compiled_log.format(80.5, 0) + "\n" + compiled_log.format(81.0, 4)),
             resnet50.Started(12.0, compiled_log.format(3.5, 4)),
@@ -428,6 +428,7 @@ def test_resnet50_holds_the_compiled_server_to_1_2x_the_eager_one(compiled: floa
     }
     report = resnet50.render(alone, results, plan, starts, 2)
     assert "idle PSS" not in report  # no server idled for a reading here: no empty table
+    assert "at ready: eager 900 MiB; compiled 0 MiB (empty cache), 0, 0 MiB (with the cache)." in report
     assert report.count("**met**" if met else "**missed**") == (3 if met else 2)  # the second start: met
     assert "| eager | 14.0 | 1.0 | 28.0 |" in report and "| compiled | 18.0 | 16.0 | 36.0 |" in report
     assert (
