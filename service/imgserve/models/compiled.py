@@ -186,18 +186,10 @@ class CompiledModel:
         """Compile for every batch of `sizes` on every count of `threads` (torch guards a graph on the thread count)
         by `run`ning batches, after the caller's batch of one on the first count: each size on the first count, then
         on the others only the sizes that opened a graph (the rest pass its guards). From then on a new graph is one
-        a request waited for."""
+        a request waited for. A package runs every batch size as it is: it has nothing to compile."""
+        if self.frozen is None:
+            _run_every_size(run, sizes, threads)
         self._ready = True
-        if self.frozen is not None:  # a package runs every batch size as it is: nothing to compile
-            return
-        opened = [1]
-        for index, count in enumerate(threads):
-            torch.set_num_threads(count)
-            for size in sizes if index == 0 else opened:
-                before = graphs_compiled()
-                run(size)
-                if index == 0 and graphs_compiled() > before:
-                    opened.append(size)
 
     def describe(self) -> str:
         """How many graphs were compiled, and how many of them the cache directory already held; or the package."""
@@ -205,3 +197,15 @@ class CompiledModel:
             return f"frozen into a package, {self.frozen}: {self.package}"
         found = torch._dynamo.utils.counters["inductor"]["fxgraph_cache_hit"]
         return f"{graphs_compiled()} graphs, {found} of them from the cache in {self.cache}"
+
+
+def _run_every_size(run: Callable[[int], object], sizes: list[int], threads: list[int]) -> None:
+    """Each size on the first thread count, then on the others only the sizes that opened a graph."""
+    opened = [1]
+    for index, count in enumerate(threads):
+        torch.set_num_threads(count)
+        for size in sizes if index == 0 else opened:
+            before = graphs_compiled()
+            run(size)
+            if index == 0 and graphs_compiled() > before:
+                opened.append(size)
