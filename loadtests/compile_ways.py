@@ -46,12 +46,6 @@ PROBE_BATCH = 3  # the batch whose logits are held against eager's
 Measured = dict[str, Any]  # one process's figures for one way, as its JSON line carries them
 
 
-def _program(path: Path) -> torch.nn.Module:
-    module = torch.export.load(str(path)).module()
-    module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stubs lack it
-    return module
-
-
 @contextlib.contextmanager
 def _freezing() -> Iterator[None]:
     import torch._inductor.config as inductor
@@ -64,13 +58,13 @@ def model_for(way: str, path: Path, folder: Path, largest: int) -> Callable[[tor
     """The exported program at `path`, run `way` on batches of up to `largest`; `folder` keeps what the way
     compiles."""
     if way == "eager":
-        return _program(path)
+        return resnet.program(path)
     if way == "compiled":
-        return torch.compile(_program(path))
+        return torch.compile(resnet.program(path))
     if way == "static":
-        return torch.compile(_program(path), dynamic=False)
+        return torch.compile(resnet.program(path), dynamic=False)
     if way == "frozen":
-        function = torch.compile(_program(path))
+        function = torch.compile(resnet.program(path))
 
         def frozen(pixels: torch.Tensor) -> torch.Tensor:
             with _freezing():  # read when a graph is compiled, not when torch.compile is called
@@ -78,7 +72,7 @@ def model_for(way: str, path: Path, folder: Path, largest: int) -> Callable[[tor
 
         return frozen
     if way == "aoti-frozen":  # imgserve's own way, on its first call (models/compiled.py)
-        return CompiledModel(_program(path), folder, False, "ways", True, largest)
+        return CompiledModel(resnet.program(path), folder, False, "ways", True, largest)
     raise ValueError(f"unknown way {way!r}")
 
 
@@ -107,13 +101,7 @@ def measure_way(way: str, path: Path, folder: Path, size: int, batches: Sequence
             raise RuntimeError("the program was not frozen: torch.export could not trace it again")
         warm_s = time.perf_counter() - started
         logits = model(probe)
-        rates = {}
-        for batch in batches:
-            tensor, done, started = pixels(batch, size), 0, time.perf_counter()
-            while done == 0 or time.perf_counter() - started < seconds:
-                model(tensor)
-                done += batch
-            rates[batch] = done / (time.perf_counter() - started)
+        rates = {batch: resnet.images_per_s(model, pixels(batch, size), seconds, lambda: None) for batch in batches}
     pss = psutil.Process().memory_full_info().pss
     return {"warm_s": warm_s, "rates": rates, "pss": pss, "logits": logits.flatten()[:2000].tolist()}
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from imgserve.models.compiled import FROZEN_ON, CompiledModel
+from imgserve.models.compiled import CompiledModel, freezes
 from loadtests.lib.images import SampleImage, synthetic_image
 
 SEED = 0
@@ -53,6 +53,26 @@ def photos(count: int = 4) -> tuple[SampleImage, ...]:
     return tuple(synthetic_image(39_000 + seed, *PHOTO, "JPEG") for seed in range(count))
 
 
+def program(path: Path, device: str = "cpu") -> torch.nn.Module:
+    """The exported program at `path` on `device`, its weights channels-last as imgserve lays them out."""
+    module = torch.export.load(str(path)).module().to(device)
+    module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stubs lack it
+    return module
+
+
+def images_per_s(
+    model: Callable[[torch.Tensor], object], pixels: torch.Tensor, seconds: float, wait: Callable[[], None]
+) -> float:
+    """Images/s of `model` on the batch `pixels`, called over and over for `seconds` (at least once); `wait` for the
+    device's queued work before the clock is read."""
+    done, started = 0, time.perf_counter()
+    while done == 0 or time.perf_counter() - started < seconds:
+        model(pixels)
+        done += len(pixels)
+    wait()
+    return done / (time.perf_counter() - started)
+
+
 class ModelAlone:
     """The exported program alone on pre-decoded channels-last tensors, as imgserve runs it: eager, or compiled the
     way --compile compiles it on the device (models/compiled.py: frozen into a package on a CPU), its code kept in
@@ -60,12 +80,11 @@ class ModelAlone:
 
     def __init__(self, path: Path, compiled: bool, cache: Path, device: str = "cpu") -> None:
         self.device = torch.device(device)
-        module = torch.export.load(str(path)).module().to(self.device)
-        module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # torch's stubs lack it
+        module = program(path, device)
         self.model: Callable[[torch.Tensor], torch.Tensor] = module
         if compiled:
             cache.mkdir(mode=0o700, parents=True, exist_ok=True)
-            freeze = self.device.type in FROZEN_ON
+            freeze = freezes(module, self.device.type, True, "fp32")
             self.model = CompiledModel(module, cache, False, "alone", freeze, MAX_BATCH)
 
     def images_per_s(self, batch: int, seconds: float) -> tuple[float, float]:
@@ -76,12 +95,7 @@ class ModelAlone:
             self.model(pixels)
             self._synchronize()
             first_s = time.perf_counter() - started
-            done, started = 0, time.perf_counter()
-            while done == 0 or time.perf_counter() - started < seconds:
-                self.model(pixels)
-                done += batch
-            self._synchronize()
-        return done / (time.perf_counter() - started), first_s
+            return images_per_s(self.model, pixels, seconds, self._synchronize), first_s
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":

@@ -82,6 +82,13 @@ def scores(server: Server, data: bytes) -> list[tuple[int, float]]:
     return [(item["index"], item["score"]) for item in response.json()["top_k"]]
 
 
+def assert_same_answers(answers: list[list[tuple[int, float]]], atol: float) -> None:
+    """The eager server's top classes (the first answer) are every compiled server's, its scores the first compiled
+    one's within `atol`."""
+    assert [index for index, _ in answers[1]] == [index for index, _ in answers[0]] == [i for i, _ in answers[2]]
+    assert np.allclose([s for _, s in answers[1]], [s for _, s in answers[0]], atol=atol)
+
+
 def refusal(*flags: str, env: dict[str, str] | None = None) -> str:
     """The one line `imgserve serve FLAGS` stops with (exit 2, no traceback), from where imgserve prints it."""
     command = [sys.executable, "-m", "imgserve", "serve", "--host", "127.0.0.1", "--port", str(free_port())]
@@ -138,8 +145,7 @@ def test_a_restart_reuses_the_frozen_package_and_answers_as_the_eager_server(mod
         with served({**settings, **compile_it}, tmp_path) as server:
             answers.append(scores(server, data))
             found.append(FROZEN.findall(server.log()))
-    assert [index for index, _ in answers[1]] == [index for index, _ in answers[0]] == [i for i, _ in answers[2]]
-    assert np.allclose([s for _, s in answers[1]], [s for _, s in answers[0]], atol=1e-4)
+    assert_same_answers(answers, atol=1e-4)
     assert found[0] == [] and sorted(found[1]) == ["found in the cache"] * (len(found[1]) - 1) + ["made"], found
     assert found[2] and set(found[2]) == {"found in the cache"}, found
     assert len(list((tmp_path / "cache").glob("frozen-*.pt2"))) == 1
@@ -158,8 +164,7 @@ def test_a_restart_reuses_torch_compiles_graphs_where_the_model_is_not_frozen(mo
         with served({**settings, "precision": "bf16", **compile_it}, tmp_path) as server:
             answers.append(scores(server, data))
             found += [tuple(map(int, match)) for match in CACHED.findall(server.log())]
-    assert [index for index, _ in answers[1]] == [index for index, _ in answers[0]] == [i for i, _ in answers[2]]
-    assert np.allclose([s for _, s in answers[1]], [s for _, s in answers[0]], atol=2e-2)
+    assert_same_answers(answers, atol=2e-2)
     workers = len(found) // 2
     first, second = found[:workers], found[workers:]
     assert all(graphs > 0 for graphs, _ in found) and workers >= 1

@@ -63,6 +63,11 @@ def wanted(setting: bool | None, device_type: str, model: torch.nn.Module, fixed
     return not kind and setting
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception for a warning: its type and message on one line, at most 300 characters."""
+    return " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+
+
 def freezes(model: torch.nn.Module, device_type: str, fixed_size: bool, precision: str) -> bool:
     """Whether a compiled model is frozen into a package: a traced program (a torch.export .pt2's module) of a fixed
     input size, in fp32 (a package cannot hold autocast), on a device kind where that is measured faster."""
@@ -160,8 +165,7 @@ class CompiledModel:
         try:
             program = torch.export.export(self.model, (pair,), dynamic_shapes=({0: batch},))
         except Exception as exc:
-            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-            log.warning("torch.export cannot trace the model (%s): compiling it with torch.compile", reason)
+            log.warning("torch.export cannot trace the model (%s): compiling it with torch.compile", one_line(exc))
             return None
         part = self.package.with_name(f".{os.getpid()}-{self.package.name}")  # renamed into place once whole
         torch._inductor.aoti_compile_and_package(program, package_path=str(part), inductor_configs=FREEZING)

@@ -134,8 +134,7 @@ class ModelRunner:
         except Exception as exc:
             if self.compile_required:
                 raise
-            reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
-            log.warning("torch.compile failed (%s): running the model eagerly", reason)
+            log.warning("torch.compile failed (%s): running the model eagerly", compiled.one_line(exc))
             self.call = self.model
             self._use_layout(layout)
             return self.first_forward(probe)
