@@ -1,14 +1,19 @@
 """The Prometheus metrics of the contract: the objects every process writes (prometheus_client multiprocess mode).
 
 `PROMETHEUS_MULTIPROC_DIR` must be set before this module is imported; the `imgserve serve` command does that.
-The front ends merge every process's samples on a scrape and add the pod's live gauges (frontend/telemetry.py).
+The front ends merge every process's samples on a scrape (`merged`) and add the pod's live gauges
+(frontend/telemetry.py).
 """
 
 from __future__ import annotations
 
+import glob
+import os
+from collections.abc import Iterable
 from contextvars import ContextVar
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, multiprocess
+from prometheus_client.core import Metric
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -72,6 +77,25 @@ FRONT_END_RESTARTS = Counter("imgserve_front_end_restarts_total", "HTTP front en
 API_KEY_RELOAD_FAILURES = Counter(
     "imgserve_api_key_reload_failures_total", "Changes of the API key file that left no key (the keys in force stay)"
 )
+
+
+def merged(kinds: Iterable[str] = ("*",), directory: str | None = None) -> list[Metric]:
+    """Every process's samples of these kinds of metric file (counter, histogram, gauge), merged as prometheus_client
+    merges them. An empty file holds no sample yet and is passed over: a process creates its file before it sizes
+    it, so a scrape can find it empty, and a process killed in between leaves it so for good, which would fail
+    every scrape after (prometheus/client_python#1199)."""
+    path = directory or os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    files = [file for kind in kinds for file in glob.glob(os.path.join(path, f"{kind}_*.db")) if _has_header(file)]
+    return multiprocess.MultiProcessCollector.merge(files)  # type: ignore[no-untyped-call,no-any-return]
+
+
+def _has_header(file: str) -> bool:
+    """Whether a metric file has been sized (a sized file never shrinks; a live gauge's may be removed, which the
+    merge allows for)."""
+    try:
+        return os.path.getsize(file) > 0
+    except FileNotFoundError:
+        return False
 
 
 def preregister(models: list[str]) -> None:

@@ -11,10 +11,12 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 from serving import (
     Server,
     image_bytes,
@@ -267,3 +269,27 @@ def test_a_dead_front_end_takes_its_grpc_service_with_it() -> None:
     assert state.grpc_serving
     state.forget_front_end(0)
     assert not state.grpc_serving
+
+
+def test_a_metric_file_left_empty_by_a_process_killed_as_it_made_it_spoils_no_scrape(tmp_path) -> None:
+    """prometheus_client creates a process's metric file before it sizes it: a process killed in between leaves it
+    empty for good (prometheus/client_python#1199), and a scrape that comes in between finds it so."""
+    with running_server(tmp_path) as server:
+        assert httpx.post(f"{server.url}/predict", content=IMAGE, headers=PNG).status_code == 200
+        opened = {Path(file.path) for process in server.tree() for file in process.open_files()}
+        directory = next(path.parent for path in opened if path.name.startswith("counter_"))
+        dead = max(process.pid for process in server.tree()) + 1000
+        for kind in ("counter", "histogram", "gauge_all", "gauge_livesum"):
+            (directory / f"{kind}_{dead}.db").touch()
+        scrape = httpx.get(f"{server.url}/metrics")
+        assert scrape.status_code == 200, scrape.text
+        answered = {
+            sample.labels["code"]: sample.value
+            for family in text_string_to_metric_families(scrape.text)
+            for sample in family.samples
+            if sample.name == "imgserve_requests_total" and sample.labels["route"] == "/predict"
+        }
+        assert answered == {"200": 1.0}, answered
+        statistics = httpx.get(f"{server.url}/v2/models/stats")
+        assert statistics.status_code == 200, statistics.text
+        assert [model["inference_stats"]["success"]["count"] for model in statistics.json()["model_stats"]] == [1]

@@ -10,13 +10,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, generate_latest, multiprocess
+from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from imgserve.handoff.slots import bytes_in_use
 from imgserve.handoff.state import SharedState
-from imgserve.metrics import count
+from imgserve.metrics import count, merged
 
 DOCS_PATHS = ("/docs", "/openapi.json")
 DOCS_ASSETS = "/docs/assets"  # Swagger UI's files: one label for them all
@@ -81,13 +81,14 @@ class PodFacts:
 
 
 class PodCollector:
-    """Scrape-time gauges: queue depth from shared memory, model/build info and weight memory of the models loaded,
-    GPU utilization and memory (NVML)."""
+    """What a scrape reads: every process's samples, merged, and the gauges read at scrape time (queue depth from
+    shared memory, model/build info and weight memory of the models loaded, GPU utilization and memory from NVML)."""
 
     def __init__(self, state: SharedState, slot_directory: Path, facts: PodFacts) -> None:
         self.state, self.slot_directory, self.facts = state, slot_directory, facts
 
     def collect(self) -> Iterator[Metric]:
+        yield from merged()
         facts, models = self.facts, self.state.models
         depth = GaugeMetricFamily("imgserve_queue_depth", "Requests admitted and not yet answered (this pod)")
         depth.add_metric([], self.state.queue_depth)
@@ -137,7 +138,6 @@ def _gpu_metrics() -> Iterator[Metric]:
 def exposition(pod: PodCollector) -> bytes:
     """The /metrics body: every process's samples merged, plus the pod's live gauges."""
     registry = CollectorRegistry()
-    multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]  # prometheus_client: untyped
     registry.register(pod)
     return generate_latest(registry)
 

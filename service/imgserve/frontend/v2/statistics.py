@@ -17,13 +17,10 @@ model per server). Where imgserve measures differently from Triton, the figure s
 
 from __future__ import annotations
 
-import glob
-import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from prometheus_client import multiprocess
-
+from imgserve import metrics
 from imgserve.frontend import telemetry
 
 STAGES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output", "cache_hit", "cache_miss")
@@ -35,11 +32,8 @@ class Samples:
     """The merged counter and histogram samples of every process, by sample name."""
 
     def __init__(self, directory: str | None = None) -> None:
-        path = directory or os.environ["PROMETHEUS_MULTIPROC_DIR"]
-        files = [file for kind in ("counter", "histogram") for file in glob.glob(os.path.join(path, f"{kind}_*.db"))]
         self.found: dict[str, list[tuple[Labels, float]]] = {}
-        # prometheus_client leaves merge unannotated
-        for metric in multiprocess.MultiProcessCollector.merge(files):  # type: ignore[no-untyped-call]
+        for metric in metrics.merged(("counter", "histogram"), directory):
             for sample in metric.samples:
                 self.found.setdefault(sample.name, []).append((sample.labels, sample.value))
 
