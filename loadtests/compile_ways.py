@@ -7,7 +7,8 @@ its own compile cache:
 - `eager`: the exported program as it is;
 - `compiled`: `torch.compile` with the batch dimension dynamic, as imgserve compiles it (models/compiled.py);
 - `static`: one graph per batch size (`dynamic=False`);
-- `frozen`: Inductor's freezing (batch norms folded into the convolutions, weights packed for oneDNN), the config set
+- `frozen`: Inductor's freezing (batch norms folded into the convolutions; the weights packed for oneDNN where a
+  graph's input size is fixed, as torch.compile's graph for a batch of one is), the config set
   around the compile (`torch.compile(options={"freezing": True})` does not freeze);
 - `aoti-frozen`: what `--compile` does on a CPU (models/compiled.py): the program exported again with its batch
   dynamic and frozen into an AOTInductor package, loaded back.

@@ -9,7 +9,8 @@
 - Served: `imgserve serve --model resnet50.pt2 --preprocess imagenet`, with --no-compile and with --compile, both
   up at once and loaded in turns, a pair of cells after the other (each pair in the other order), so a shared
   machine's drift falls on both alike: the 500x375 JPEGs from 1, 16 and 64 closed-loop clients, answers/s, p50 and
-  p99, and the CPU of the loaded server's processes per answer.
+  p99, and the CPU of the loaded server's processes per answer; from the server's /metrics, its mean batch and the
+  model's milliseconds per image in it, against the model alone's.
 - Start: the time to ready of the eager server, of the compiled one with an empty compile cache, and of fresh
   compiled servers afterwards, which find the cache filled.
 Targets: the compiled server >= 1.2x the eager one at 16 and 64 clients (medians of the pairs); a start with the
@@ -36,6 +37,7 @@ from imgserve.pod import usable_cpus
 from loadtests.lib import resnet
 from loadtests.lib.images import check_scores
 from loadtests.lib.report import machine, publish
+from loadtests.lib.scrape import read_totals
 from loadtests.lib.servers import SOURCE
 from loadtests.sidebyside import Cell, Contender, Results, report, run_cell, serving, turns
 
@@ -45,6 +47,7 @@ ALONE_BATCH = 8
 SERVED_GOAL = 1.2  # the compiled server's answers/s over the eager one's, at 16 and 64 clients
 COMPILE_READY_S = 900.0  # a first compile of every batch size, on a busy 2-core machine
 MAX_WARMUP_S = 30.0
+BATCH_FIGURES = ("imgserve_batch_size_sum", "imgserve_batch_size_count", "imgserve_inference_duration_seconds_sum")
 COMPILED_LINE = re.compile(
     r"model compiled for .* in ([\d.]+) s: (\d+ graphs, \d+ of them from the cache|frozen into a package, [a-z ]+)"
 )
@@ -99,6 +102,21 @@ def cells(limit_per_s: float) -> list[Cell]:
     ]
 
 
+@dataclass
+class Batching:
+    """Per (cell, contender), each run's mean batch and the model's ms per image, as the server counted them."""
+
+    runs: dict[tuple[str, str], list[tuple[float, float]]]
+
+    def add(self, key: tuple[str, str], before: dict[str, float], after: dict[str, float]) -> None:
+        images, batches, model_s = (after[name] - before[name] for name in BATCH_FIGURES)
+        self.runs.setdefault(key, []).append((images / max(batches, 1), 1000 * model_s / max(images, 1)))
+
+    def medians(self, key: tuple[str, str]) -> tuple[float, float]:
+        runs = self.runs.get(key) or [(0.0, 0.0)]
+        return statistics.median(run[0] for run in runs), statistics.median(run[1] for run in runs)
+
+
 class Started(NamedTuple):
     """How a server started: the seconds until it was ready, its log then, and its processes' summed PSS then."""
 
@@ -109,9 +127,9 @@ class Started(NamedTuple):
 
 def measure_served(
     contenders: list[Contender], plan: list[Cell], seconds: float, pairs: int, work: Path
-) -> tuple[Results, dict[str, list[Started]]]:
-    """Both servers up; each cell run `pairs` times on each, in turns; how each started."""
-    results, starts = Results(), {}
+) -> tuple[Results, Batching, dict[str, list[Started]]]:
+    """Both servers up; each cell run `pairs` times on each, in turns; how each batched, and how each started."""
+    results, batching, starts = Results(), Batching({}), {}
     with contextlib.ExitStack() as stack:
         running = {}
         for contender in contenders:
@@ -121,8 +139,10 @@ def measure_served(
         for cell in plan:
             for index in range(pairs):
                 for name in turns(list(running), index):
+                    before = read_totals(running[name].url, BATCH_FIGURES)
                     run_cell(running[name], name, cell, seconds, results)
-    return results, starts
+                    batching.add((cell.name, name), before, read_totals(running[name].url, BATCH_FIGURES))
+    return results, batching, starts
 
 
 def restarts(contender: Contender, count: int, work: Path) -> list[Started]:
@@ -141,8 +161,11 @@ def compile_summary(start: Started) -> str:
     return " + ".join(f"{seconds} s ({how})" for seconds, how in found) or "-"
 
 
-def render(alone: Alone, results: Results, plan: list[Cell], starts: dict[str, list[Started]], workers: int) -> str:
-    """The model alone, the served table with each contender against its limit, the start times and the targets."""
+def render(
+    alone: Alone, results: Results, batching: Batching, plan: list[Cell], starts: dict[str, list[Started]], workers: int
+) -> str:
+    """The model alone, the served table with each contender against its limit (and how it batched), the start times
+    and the targets."""
     lines = [
         "| model alone, 1 thread, batch 8 | images/s | first call s | x workers = the pod's limit /s |",
         "|---|---|---|---|",
@@ -150,11 +173,21 @@ def render(alone: Alone, results: Results, plan: list[Cell], starts: dict[str, l
     for name in (EAGER, COMPILED):
         rate = alone.per_thread[name]
         lines.append(f"| {name} | {rate:.1f} | {alone.first_call_s[name]:.1f} | {rate * workers:.1f} |")
-    lines += ["", report(results, plan), "", "| served | limit /s | median /s | of the limit |", "|---|---|---|---|"]
+    lines += [
+        "",
+        report(results, plan),
+        "",
+        "| served | limit /s | median /s | of the limit | mean batch | model ms per image (alone, batch 8) |",
+        "|---|---|---|---|---|---|",
+    ]
     for cell in plan:
         for name in cell.contenders:
             served, limit = statistics.median(results.rps[cell.name, name]), alone.per_thread[name] * workers
-            lines.append(f"| {cell.name}, {name} | {limit:.1f} | {served:.1f} | {served / max(limit, 1e-9):.2f}x |")
+            batch, model_ms = batching.medians((cell.name, name))
+            lines.append(
+                f"| {cell.name}, {name} | {limit:.1f} | {served:.1f} | {served / max(limit, 1e-9):.2f}x | {batch:.1f} "
+                f"| {model_ms:.1f} ({1000 / max(alone.per_thread[name], 1e-9):.1f}) |"
+            )
     first, *later = starts[COMPILED]
     lines += [
         "",
@@ -206,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         measure_alone(model, seconds, alone, work / "alone-cache")
         plan = cells(alone.per_thread[EAGER] * workers)
         contenders = servers(model, work / "compiled")
-        results, starts = measure_served(contenders, plan, seconds, pairs, work)
+        results, batching, starts = measure_served(contenders, plan, seconds, pairs, work)
         starts[COMPILED] += restarts(contenders[1], restart_count, work)
         measure_alone(model, seconds, alone, work / "alone-cache")
     command = shlex.join(["python", "-m", "loadtests.resnet50", *(argv if argv is not None else sys.argv[1:])])
@@ -214,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# ResNet-50 ({datetime.date.today()})\n\n`{command}` on {machine()}: {pairs} pairs of {seconds:g} s "
         f"cells per load; imgserve with {workers} workers.\n\n"
     )
-    return publish(header + render(alone, results, plan, starts, workers) + "\n", args.out)
+    return publish(header + render(alone, results, batching, plan, starts, workers) + "\n", args.out)
 
 
 if __name__ == "__main__":

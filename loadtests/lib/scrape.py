@@ -26,6 +26,16 @@ def read_metrics(text: str, names: tuple[str, ...]) -> dict[str, float]:
     return {name: sum(found) / len(found) for name, found in values.items()}
 
 
+def read_totals(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Each wanted metric of the server at `url` now, summed over its label sets (0 where it has none)."""
+    found = dict.fromkeys(names, 0.0)
+    for family in text_string_to_metric_families(httpx.get(url.rstrip("/") + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name in found:
+                found[sample.name] += sample.value
+    return found
+
+
 class MetricsScraper(Periodic):
     """`with MetricsScraper(url) as s:` samples /metrics every `interval_s` (at most `max_s`) while the block runs."""
 

@@ -31,6 +31,7 @@ from loadtests import (
     sidebyside,
     start_time,
     tracing_cost,
+    weight_reorders,
 )
 from loadtests.lib import closed_loop
 from loadtests.lib.closed_loop import LoadResult, Outcome, run_closed_loop
@@ -376,17 +377,23 @@ def test_decode_reports_whole_and_reduced_decodes_and_the_input_difference(tmp_p
     assert "**met**" in out.read_text()
 
 
-def test_compile_ways_runs_each_way_in_fresh_processes_and_holds_its_logits_to_eagers(tmp_path: Path) -> None:
-    """A small exported convolutional net (the ResNet-50's compiles take minutes on 2 cores), two rounds: every way
-    computes eager's logits, and the second round's process warms up from the way's filled cache."""
+def small_net(folder: Path) -> Path:
+    """A small exported convolutional net of 32 px inputs, its batch dynamic (the ResNet-50's compiles take minutes
+    on 2 cores)."""
     net = torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(1)
     ).eval()
     batch = torch.export.Dim("batch", min=1, max=64)
     program = torch.export.export(net, (torch.rand(2, 3, 32, 32),), dynamic_shapes=({0: batch},))
-    torch.export.save(program, str(tmp_path / "net.pt2"))
+    torch.export.save(program, str(folder / "net.pt2"))
+    return folder / "net.pt2"
+
+
+def test_compile_ways_runs_each_way_in_fresh_processes_and_holds_its_logits_to_eagers(tmp_path: Path) -> None:
+    """Two rounds: every way computes eager's logits, and the second round's process warms up from the way's filled
+    cache."""
     out = tmp_path / "ways.md"
-    argv = ["--model", str(tmp_path / "net.pt2"), "--size", "32", "--rounds", "2", "--seconds", "0.05"]
+    argv = ["--model", str(small_net(tmp_path)), "--size", "32", "--rounds", "2", "--seconds", "0.05"]
     assert compile_ways.main([*argv, "--batches", "1", "4", "--out", str(out)]) == 0
     rows = {cells[0][2:]: cells for cells in (line.split(" | ") for line in out.read_text().splitlines())}
     rows = {way: cells for way, cells in rows.items() if way in compile_ways.WAYS}
@@ -394,6 +401,20 @@ def test_compile_ways_runs_each_way_in_fresh_processes_and_holds_its_logits_to_e
     for way, cells in rows.items():
         assert cells[1].endswith("x)") and float(cells[3]) > 0 and float(cells[4]) > 0, way  # rates, both warm-ups
         assert float(cells[-1].rstrip(" |")) < 1e-4, way  # the same logits as eager's
+
+
+def test_weight_reorders_counts_onednns_work_in_each_call_of_the_frozen_package(tmp_path: Path) -> None:
+    """The package runs the net's one convolution through oneDNN at every batch, and reorders its weights each
+    time (a package keeps them unpacked: docs/benchmarks.md)."""
+    out = tmp_path / "reorders.md"
+    argv = ["--model", str(small_net(tmp_path)), "--size", "32", "--batches", "1", "4", "--calls", "2"]
+    assert weight_reorders.main([*argv, "--ways", "aoti-frozen", "--out", str(out)]) == 0
+    rows = [line.strip("| ").split(" | ") for line in out.read_text().splitlines() if line.startswith("| ")]
+    found = {(cells[0], cells[1]): cells for cells in rows[1:]}  # after the head
+    assert set(found) == {("aoti-frozen", "1"), ("aoti-frozen", "4")}
+    for batch in ("1", "4"):
+        cells = found["aoti-frozen", batch]
+        assert float(cells[2]) > 0 and cells[3] == "1" and int(cells[5]) >= 1, cells
 
 
 def test_resnet50_cells_check_a_classifiers_scores_from_polite_clients() -> None:
@@ -426,7 +447,14 @@ def test_resnet50_holds_the_compiled_server_to_1_2x_the_eager_one(compiled: floa
             resnet50.Started(5.0, frozen_log.format("made") + "\n" + frozen_log.format("found in the cache")),
         ],
     }
-    report = resnet50.render(alone, results, plan, starts, 2)
+    batching = resnet50.Batching({})
+    for cell in plan:  # 12 images in 3 batches and 1.2 s of the model, then twice that (medians: the second run)
+        for scale in (1, 2, 3):
+            counted = dict(zip(resnet50.BATCH_FIGURES, (12.0 * scale, 3.0 * scale, 1.2 * scale), strict=True))
+            batching.add((cell.name, resnet50.COMPILED), dict.fromkeys(resnet50.BATCH_FIGURES, 0.0), counted)
+    report = resnet50.render(alone, results, batching, plan, starts, 2)
+    assert f"| {plan[1].name}, compiled | 36.0 | {compiled:.1f} | {compiled / 36:.2f}x | 4.0 | 100.0 (55.6) |" in report
+    assert f"| {plan[1].name}, eager | 28.0 | 20.0 | 0.71x | 0.0 | 0.0 (71.4) |" in report  # none counted
     assert "idle PSS" not in report  # no server idled for a reading here: no empty table
     assert "at ready: eager 900 MiB; compiled 0 MiB (empty cache), 0, 0 MiB (with the cache)." in report
     assert report.count("**met**" if met else "**missed**") == (3 if met else 2)  # the second start: met

@@ -9,9 +9,10 @@ was compiled at. `warm_up` runs every batch size on each thread count the worker
 graph compiled after that is one a request waited for: it is counted (`late_graphs`) and logged.
 
 On a CPU, a torch.export program of a fixed input size in fp32 is frozen instead (`freezes`): exported again with
-its batch dynamic, and compiled by AOTInductor with Inductor's freezing (batch norms folded into the convolutions,
-the weights packed for oneDNN) into one package in the cache directory, which every worker loads; a restart only
-loads it. It is the faster way there (docs/benchmarks.md). Its own kernels run on one thread; oneDNN's convolutions
+its batch dynamic, and compiled by AOTInductor with Inductor's freezing (batch norms folded into the convolutions)
+into one package in the cache directory, which every worker loads; a restart only loads it. Its weights stay in the
+plain layout (Inductor packs them in advance only in memory, for a fixed input size), so oneDNN reorders them at
+every call. It is the faster way there (docs/benchmarks.md). Its own kernels run on one thread; oneDNN's convolutions
 take the worker's thread count as they run. Other modules keep torch.compile, which still runs the Python they hold
 (a traced program holds none), as does a program torch.export cannot trace again (with a warning).
 
