@@ -107,13 +107,26 @@ def measure_way(way: str, path: Path, folder: Path, size: int, batches: Sequence
     return {"warm_s": warm_s, "rates": rates, "pss": pss, "logits": logits.flatten()[:2000].tolist()}
 
 
-def _in_a_process(way: str, path: Path, folder: Path, size: int, batches: Sequence[int], seconds: float) -> Measured:
-    command = [sys.executable, "-m", "loadtests.compile_ways", "--one", way, "--model", str(path)]
-    command += ["--work", str(folder), "--size", str(size), "--seconds", str(seconds), "--batches", *map(str, batches)]
-    done = subprocess.run(command, capture_output=True, text=True)
+def add_process_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model, its input size, and the hidden arguments of a measured process (one way, its work folder), which
+    `in_a_process` passes."""
+    parser.add_argument("--model", type=Path, help="an exported program (default: the benchmark's ResNet-50)")
+    parser.add_argument("--size", type=int, default=resnet.INPUT, help="the input's height and width")
+    parser.add_argument("--one", choices=WAYS, help=argparse.SUPPRESS)  # the measured process: one way
+    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+
+
+def in_a_process(
+    module: str, way: str, path: Path, folder: Path, size: int, batches: Sequence[int], *options: str, **env: str
+) -> str:
+    """What `python -m module --one way ...` printed: `way` measured in a fresh process (with `options` and the
+    environment variables `env`); its last error line if it failed."""
+    command = [sys.executable, "-m", module, "--one", way, "--model", str(path), "--work", str(folder)]
+    command += ["--size", str(size), *options, "--batches", *map(str, batches)]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **env})
     if done.returncode != 0:
         raise RuntimeError(f"{way} failed: {done.stderr.strip().splitlines()[-1:]}")
-    return json.loads(done.stdout.splitlines()[-1])
+    return done.stdout
 
 
 def report(found: dict[str, list[Measured]], batches: Sequence[int]) -> list[str]:
@@ -143,11 +156,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=3.0, help="timed seconds per batch size")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 5, 8], help="batch sizes timed")
     parser.add_argument("--ways", nargs="+", choices=WAYS, default=list(WAYS), help="the ways run (eager always)")
-    parser.add_argument("--model", type=Path, help="an exported program (default: the benchmark's ResNet-50)")
-    parser.add_argument("--size", type=int, default=resnet.INPUT, help="the input's height and width")
     parser.add_argument("--out", type=Path, default=Path("loadtests/results/compile_ways.md"), help="markdown report")
-    parser.add_argument("--one", choices=WAYS, help=argparse.SUPPRESS)  # a round's process: one way, a JSON line
-    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    add_process_arguments(parser)  # a round's process prints a JSON line
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(measure_way(args.one, args.model, args.work, args.size, args.batches, args.seconds)))
@@ -160,7 +170,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for way in ways if index % 2 == 0 else ways[::-1]:
                 folder = Path(work, way)
                 folder.mkdir(exist_ok=True)
-                found[way].append(_in_a_process(way, model, folder, args.size, args.batches, args.seconds))
+                seconds = ("--seconds", str(args.seconds))
+                printed = in_a_process("loadtests.compile_ways", way, model, folder, args.size, args.batches, *seconds)
+                found[way].append(json.loads(printed.splitlines()[-1]))
     command = shlex.join(["python", "-m", "loadtests.compile_ways", *(argv or sys.argv[1:])])
     text = (
         f"# The ways to compile, the model alone ({datetime.date.today()})\n\n`{command}` on {machine()}: one "

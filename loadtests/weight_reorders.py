@@ -17,7 +17,6 @@ import datetime
 import os
 import shlex
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -83,12 +82,9 @@ def parse(log: str) -> list[Call]:
 
 def measure(way: str, path: Path, folder: Path, size: int, batches: Sequence[int], calls: int) -> list[Call]:
     """`way`'s calls, run in a fresh process with oneDNN's log on."""
-    command = [sys.executable, "-m", "loadtests.weight_reorders", "--one", way, "--model", str(path)]
-    command += ["--work", str(folder), "--size", str(size), "--calls", str(calls), "--batches", *map(str, batches)]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "ONEDNN_VERBOSE": "1"})
-    if done.returncode != 0:
-        raise RuntimeError(f"{way} failed: {done.stderr.strip().splitlines()[-1:]}")
-    return parse(done.stdout)
+    calls_option = ("--calls", str(calls))
+    module = "loadtests.weight_reorders"
+    return parse(compile_ways.in_a_process(module, way, path, folder, size, batches, *calls_option, ONEDNN_VERBOSE="1"))
 
 
 def report(found: dict[str, list[Call]], batches: Sequence[int]) -> list[str]:
@@ -115,11 +111,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--ways", nargs="+", choices=compile_ways.WAYS, default=["eager", "aoti-frozen"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8], help="batch sizes called")
     parser.add_argument("--calls", type=int, default=3, help="calls counted per batch size, after a warm-up")
-    parser.add_argument("--model", type=Path, help="an exported program (default: the benchmark's ResNet-50)")
-    parser.add_argument("--size", type=int, default=resnet.INPUT, help="the input's height and width")
     parser.add_argument("--out", type=Path, default=Path("loadtests/results/weight_reorders.md"), help="report")
-    parser.add_argument("--one", choices=compile_ways.WAYS, help=argparse.SUPPRESS)  # the measured process
-    parser.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    compile_ways.add_process_arguments(parser)
     args = parser.parse_args(argv)
     if args.one:
         run_calls(args.one, args.model, args.work, args.size, args.batches, args.calls)
