@@ -55,9 +55,11 @@ def _freezing() -> Iterator[None]:
         yield
 
 
-def model_for(way: str, path: Path, folder: Path, largest: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The exported program at `path`, run `way` on batches of up to `largest`; `folder` keeps what the way
-    compiles."""
+def model_for(
+    way: str, path: Path, folder: Path, largest: int, threads: Sequence[int] = ()
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The exported program at `path`, run `way` on batches of up to `largest` (a package packed for the thread
+    counts `threads`; none given: the count it is made at); `folder` keeps what the way compiles."""
     if way == "eager":
         return resnet.program(path)
     if way == "compiled":
@@ -73,7 +75,7 @@ def model_for(way: str, path: Path, folder: Path, largest: int) -> Callable[[tor
 
         return frozen
     if way == "aoti-frozen":  # imgserve's own way, on its first call (models/compiled.py)
-        return CompiledModel(resnet.program(path), folder, False, "ways", True, largest)
+        return CompiledModel(resnet.program(path), folder, False, "ways", True, largest, threads)
     raise ValueError(f"unknown way {way!r}")
 
 

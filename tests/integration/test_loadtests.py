@@ -404,17 +404,17 @@ def test_compile_ways_runs_each_way_in_fresh_processes_and_holds_its_logits_to_e
 
 
 def test_weight_reorders_counts_onednns_work_in_each_call_of_the_frozen_package(tmp_path: Path) -> None:
-    """The package runs the net's one convolution through oneDNN at every batch, and reorders its weights each
-    time (a package keeps them unpacked: docs/benchmarks.md)."""
+    """The package runs the net's one convolution through oneDNN at every batch, and never reorders its weights:
+    they are packed in the package (models/packing.py)."""
     out = tmp_path / "reorders.md"
     argv = ["--model", str(small_net(tmp_path)), "--size", "32", "--batches", "1", "4", "--calls", "2"]
     assert weight_reorders.main([*argv, "--ways", "aoti-frozen", "--out", str(out)]) == 0
     rows = [line.strip("| ").split(" | ") for line in out.read_text().splitlines() if line.startswith("| ")]
-    found = {(cells[0], cells[1]): cells for cells in rows[1:]}  # after the head
+    found = {(cells[0], cells[2]): cells for cells in rows[1:]}  # after the head
     assert set(found) == {("aoti-frozen", "1"), ("aoti-frozen", "4")}
     for batch in ("1", "4"):
         cells = found["aoti-frozen", batch]
-        assert float(cells[2]) > 0 and cells[3] == "1" and int(cells[5]) >= 1, cells
+        assert cells[1] == "1" and float(cells[3]) > 0 and cells[4] == "1" and cells[6] == "0", cells
 
 
 def test_resnet50_cells_check_a_classifiers_scores_from_polite_clients() -> None:

@@ -120,12 +120,14 @@ class ModelAPI(ImageAPI):
         """Load the model (its weights shared among the device's workers), warm it up on a probe image (compiled:
         at every batch size it can run), and decide from that output what the model answers (image, classify,
         segment or detect); the labels must name every class."""
-        model = self.load_model(device)
-        self.runner = ModelRunner.for_settings(model, torch.device(device), self.settings, self.batching[0] or "auto")
+        model, threads = self.load_model(device), self.thread_counts(device)
+        self.runner = ModelRunner.for_settings(
+            model, torch.device(device), self.settings, self.batching[0] or "auto", threads
+        )
         side = self.probe_side
         probe = torch.randint(0, 256, (1, side, side, 3), dtype=torch.uint8)
         try:
-            warmup = self.runner.warm_up(probe, self.batch_sizes(), self.thread_counts(device))
+            warmup = self.runner.warm_up(probe, self.batch_sizes(), threads)
         except Exception as exc:
             failure = f"the model failed warm-up on {device} with a {side}x{side} image: {type(exc).__name__}: {exc}"
             raise ModelLoadError(failure) from None

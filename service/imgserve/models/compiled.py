@@ -10,10 +10,10 @@ graph compiled after that is one a request waited for: it is counted (`late_grap
 
 On a CPU, a torch.export program of a fixed input size in fp32 is frozen instead (`freezes`): exported again with
 its batch dynamic, and compiled by AOTInductor with Inductor's freezing (batch norms folded into the convolutions)
-into one package in the cache directory, which every worker loads; a restart only loads it. Its weights stay in the
-plain layout (Inductor packs them in advance only in memory, for a fixed input size), so oneDNN reorders them at
-every call. It is the faster way there (docs/benchmarks.md). Its own kernels run on one thread; oneDNN's convolutions
-take the worker's thread count as they run. Other modules keep torch.compile, which still runs the Python they hold
+into one package in the cache directory, which every worker loads; a restart only loads it. Its convolutions' weights
+are packed for oneDNN in the package (`packing`), so no call copies them. It is the faster way there
+(docs/benchmarks.md). Its own kernels run on one thread; oneDNN's convolutions take the worker's thread count as they
+run. Other modules keep torch.compile, which still runs the Python they hold
 (a traced program holds none), as does a program torch.export cannot trace again (with a warning).
 
 torch.compile's CPU kernels keep the thread count they were compiled at (kernels that read it at run time,
@@ -31,7 +31,7 @@ import logging
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -40,14 +40,16 @@ import torch
 from imgserve.config import COMPILED_BY_DEFAULT, BuiltinModel
 from imgserve.models.loader import ModelLoadError
 from imgserve.models.native import NativeModule
+from imgserve.models.packing import CONFIG, VERSION, PackWeights
 
 log = logging.getLogger(__name__)
 CACHE_FOLDER = Path("imgserve", "compiled")  # under $XDG_CACHE_HOME (~/.cache) when no directory is set
 LOCK = "imgserve.lock"  # in the cache directory: held by the process that is compiling into it
 SHARED_WRITE = stat.S_IWGRP | stat.S_IWOTH
 FROZEN_ON = ("cpu",)  # device kinds whose fixed-size fp32 models are frozen into a package (docs/benchmarks.md)
-# Freezing, with the package's own kernels on one thread, and a dynamic batch that may be a batch of one.
+# Freezing, the package's own kernels on one thread, and a dynamic batch that may be a batch of one.
 FREEZING = {"freezing": True, "cpp.threads": 1, "aot_inductor.check_lowerbound": False}
+LAYOUT_BATCHES = 64  # the weight packing checks oneDNN's layout at each batch size up to the largest, at most this
 
 
 def wanted(setting: bool | None, device_type: str, model: torch.nn.Module, fixed_size: bool) -> bool:
@@ -103,14 +105,14 @@ def _thread_lock_for_tqdm() -> None:
 
 def warm_key(settings: BuiltinModel, max_batch_size: int | Literal["auto"], device: str) -> str:
     """What names a warm-up's code in the cache: the model file (path, size and time), the settings that shape its
-    graphs, the device kind, the worker's threads and torch's version. A wrong match costs time, never correctness:
-    the workers then compile beside each other, or one after the other."""
+    graphs, the device kind, the worker's threads, torch's version and the weight packing's. A wrong match costs
+    time, never correctness: the workers then compile beside each other, or one after the other."""
     model = settings.model[0]
     path = Path(model)
     facts = path.stat() if path.is_file() else None
     shape = (settings.input_size, max_batch_size, settings.precision, settings.channels_last)
     found = [model, facts and (facts.st_size, facts.st_mtime_ns), shape, device, torch.get_num_threads()]
-    return hashlib.sha256(repr([*found, torch.__version__]).encode()).hexdigest()[:16]
+    return hashlib.sha256(repr([*found, torch.__version__, VERSION]).encode()).hexdigest()[:16]
 
 
 def graphs_compiled() -> int:
@@ -129,11 +131,13 @@ class CompiledModel:
         warm_key: str,
         freeze: bool = False,
         largest: int | None = None,
+        threads: Sequence[int] = (),
     ) -> None:
-        """`freeze`: into a package for batches of up to `largest` (None: any), else torch.compile."""
+        """`freeze`: into a package for batches of up to `largest` (None: any), else torch.compile; its weights
+        packed for the worker's thread counts, `threads` (none given: the count the package is made at)."""
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # read when the first graph is compiled
         _thread_lock_for_tqdm()
-        self.model, self.freeze, self.largest = model, freeze, largest
+        self.model, self.freeze, self.largest, self.threads = model, freeze, largest, threads
         self.function: Callable[[torch.Tensor], Any] = torch.compile(model)
         self.cache, self.dims = cache, (0, 2, 3) if any_size else (0,)
         self.warmed = cache / f"warmed-{warm_key}"  # made once a warm-up of this key has filled the cache
@@ -169,7 +173,10 @@ class CompiledModel:
             log.warning("torch.export cannot trace the model (%s): compiling it with torch.compile", one_line(exc))
             return None
         part = self.package.with_name(f".{os.getpid()}-{self.package.name}")  # renamed into place once whole
-        torch._inductor.aoti_compile_and_package(program, package_path=str(part), inductor_configs=FREEZING)
+        batches = range(1, min(self.largest or LAYOUT_BATCHES, LAYOUT_BATCHES) + 1)
+        packing = PackWeights(batches, self.threads or [torch.get_num_threads()])
+        configs = {**FREEZING, CONFIG: packing}
+        torch._inductor.aoti_compile_and_package(program, package_path=str(part), inductor_configs=configs)
         part.replace(self.package)
         self.frozen = "made"
         return NativeModule(self.package)

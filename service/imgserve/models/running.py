@@ -52,9 +52,10 @@ class ModelRunner:
         device: torch.device,
         settings: BuiltinModel,
         max_batch_size: int | Literal["auto"] = "auto",
+        threads: Sequence[int] = (),
     ) -> ModelRunner:
         """The runner the built-in API uses for `settings` on `device` (an AOTInductor package takes NCHW), compiled
-        for batches up to `max_batch_size` where compiled."""
+        for batches up to `max_batch_size` on the worker's thread counts, `threads`, where compiled."""
         runner = cls(
             model,
             device,
@@ -69,7 +70,7 @@ class ModelRunner:
             key = compiled.warm_key(settings, max_batch_size, device.type)
             freeze = compiled.freezes(model, device.type, fixed_size, settings.precision)
             largest = None if max_batch_size == "auto" else max_batch_size
-            runner.call = compiled.CompiledModel(model, cache, not fixed_size, key, freeze, largest)
+            runner.call = compiled.CompiledModel(model, cache, not fixed_size, key, freeze, largest, threads)
             runner.compile_required = bool(settings.compile)
         return runner
 
