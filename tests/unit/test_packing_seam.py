@@ -55,3 +55,23 @@ def test_a_held_weight_is_packed_for_onednn_and_the_answers_stay_the_same() -> N
     assert weights[0].op == "get_attr" and getattr(module, weights[0].target).is_mkldnn
     assert weights[1] is computed  # a weight the graph computes: left as it was
     torch.testing.assert_close(after, before)
+
+
+def test_a_weight_onednn_cannot_pack_is_left_plain_and_fails_no_compile() -> None:
+    """Weights of 3 input channels for an input of 8: oneDNN refuses to pack them; the pass leaves them be."""
+
+    class Mismatched(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Buffer(torch.randn(16, 3, 3, 3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return packing.CONVOLUTION(x, self.weight, None, [1, 1], [1, 1], [1, 1], 1, "none", [], "")
+
+    module = torch.fx.symbolic_trace(Mismatched())
+    (pixels,) = module.graph.find_nodes(op="placeholder")
+    pixels.meta["val"] = torch.empty(3, 8, 12, 12)  # the only shape the pass reads
+    (convolution,) = module.graph.find_nodes(op="call_function", target=packing.CONVOLUTION)
+    weight = convolution.args[1]
+    packing.PackWeights(batches=(1,), threads=(1,))(module.graph)
+    assert convolution.args[1] is weight and not module.weight.is_mkldnn

@@ -76,7 +76,8 @@ class PackWeights(CustomGraphPass):
             node.update_arg(1, replacement)
 
     def _one_layout(self, plain: torch.Tensor, call: list[Any], shape: list[int]) -> torch.Tensor | None:
-        """The weights packed, if oneDNN wants the same layout for them at every batch and thread count; else None."""
+        """The weights packed, if oneDNN wants the same layout for them at every batch and thread count; else None
+        (also where oneDNN cannot pack them ahead: packing is a speed-up, never a reason for a compile to fail)."""
         own_threads, layouts = torch.get_num_threads(), {}
         try:
             for count in self.threads:
@@ -84,6 +85,8 @@ class PackWeights(CustomGraphPass):
                 for batch in self.batches:
                     packed = REORDER(plain, *call, [batch, *shape])
                     layouts[bytes(LAYOUT(packed).tolist())] = packed
+        except RuntimeError:
+            return None
         finally:
             torch.set_num_threads(own_threads)
         return next(iter(layouts.values())) if len(layouts) == 1 else None
