@@ -57,20 +57,27 @@ def test_a_held_weight_is_packed_for_onednn_and_the_answers_stay_the_same() -> N
     torch.testing.assert_close(after, before)
 
 
-def test_a_weight_onednn_cannot_pack_is_left_plain_and_fails_no_compile() -> None:
-    """Weights of 3 input channels for an input of 8: oneDNN refuses to pack them; the pass leaves them be."""
+class OneConvolution(torch.nn.Module):
+    """One convolution on a held weight of 3 input channels."""
 
-    class Mismatched(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.weight = torch.nn.Buffer(torch.randn(16, 3, 3, 3))
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Buffer(torch.randn(16, 3, 3, 3))
 
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return packing.CONVOLUTION(x, self.weight, None, [1, 1], [1, 1], [1, 1], 1, "none", [], "")
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return packing.CONVOLUTION(x, self.weight, None, [1, 1], [1, 1], [1, 1], 1, "none", [], "")
 
-    module = torch.fx.symbolic_trace(Mismatched())
+
+@pytest.mark.parametrize(
+    "known",
+    [torch.empty(3, 8, 12, 12), None],
+    ids=["weights for 3 channels on an input of 8: oneDNN refuses them", "the input's shape not in the graph"],
+)
+def test_a_weight_that_cannot_be_packed_is_left_plain_and_fails_no_compile(known: torch.Tensor | None) -> None:
+    module = torch.fx.symbolic_trace(OneConvolution())
     (pixels,) = module.graph.find_nodes(op="placeholder")
-    pixels.meta["val"] = torch.empty(3, 8, 12, 12)  # the only shape the pass reads
+    if known is not None:
+        pixels.meta["val"] = known  # the only shape the pass reads
     (convolution,) = module.graph.find_nodes(op="call_function", target=packing.CONVOLUTION)
     weight = convolution.args[1]
     packing.PackWeights(batches=(1,), threads=(1,))(module.graph)

@@ -50,7 +50,8 @@ def schema_problems() -> list[str]:
 class PackWeights(CustomGraphPass):
     """Replaces each frozen convolution's plain weights by the same weights packed for oneDNN, where the input's
     channels and image size are fixed and oneDNN wants one layout for every batch of `batches` on every count of
-    `threads` (a weight computed in the graph, a size that varies, or a layout that does is left as it is)."""
+    `threads` (a weight computed in the graph, a size that varies or is not known, or a layout that varies is left as
+    it is)."""
 
     def __init__(self, batches: Sequence[int], threads: Sequence[int]) -> None:
         self.batches, self.threads = tuple(batches), tuple(threads)
@@ -61,8 +62,9 @@ class PackWeights(CustomGraphPass):
         for index, node in enumerate(graph.find_nodes(op="call_function", target=CONVOLUTION)):
             pixels, weight, _, *shape_of_call = node.args[:7]
             assert isinstance(pixels, torch.fx.Node) and isinstance(weight, torch.fx.Node)
-            shape = pixels.meta["val"].shape[1:]
-            if weight.op != "get_attr" or not all(isinstance(size, int) for size in shape):
+            known = pixels.meta.get("val")  # the input's shape, where the graph carries it
+            shape = known.shape[1:] if isinstance(known, torch.Tensor) else None
+            if weight.op != "get_attr" or shape is None or not all(isinstance(size, int) for size in shape):
                 continue
             plain = operator.attrgetter(str(weight.target))(module)  # a dotted path: a weight not folded
             packed = self._one_layout(plain, shape_of_call, [int(size) for size in shape])
