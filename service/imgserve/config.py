@@ -313,8 +313,8 @@ class BuiltinModel(Concern):
     )
     compile_cache_dir: str | None = Field(
         None,
-        description="Keeps the compiled code for a restart with the same model, device and torch: made (mode 0700), "
-        "refused if another user can write it; unset = $XDG_CACHE_HOME/imgserve/compiled (~/.cache/imgserve/...).",
+        description="Keeps the compiled code for a restart with the same model, device, processor and torch: made "
+        "(mode 0700), refused if another user can write it; unset = $XDG_CACHE_HOME/imgserve/compiled (~/.cache/...).",
     )
     channels_last: bool = Field(
         True,

@@ -1,6 +1,6 @@
 """torch.compile for the built-in API: the model compiled in each inference worker before the server is ready, for
 every batch size the worker can run, with the compiled code kept in a private directory, so a restart with the same
-model, device and torch reuses it instead of compiling again.
+model, device, processor and torch reuses it instead of compiling again.
 
 One compile serves many shapes. The batch dimension is marked dynamic (and the height and width too, where the model
 takes any size), so torch compiles one graph for a batch of one (it specializes sizes 0 and 1) and one for larger
@@ -29,6 +29,7 @@ import fcntl
 import hashlib
 import logging
 import os
+import platform
 import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -44,6 +45,7 @@ from imgserve.models.packing import CONFIG, VERSION, PackWeights
 
 log = logging.getLogger(__name__)
 CACHE_FOLDER = Path("imgserve", "compiled")  # under $XDG_CACHE_HOME (~/.cache) when no directory is set
+CPU_FACTS = "/proc/cpuinfo"  # the CPU's model and instruction sets, which name a package in the cache (Linux)
 LOCK = "imgserve.lock"  # in the cache directory: held by the process that is compiling into it
 SHARED_WRITE = stat.S_IWGRP | stat.S_IWOTH
 FROZEN_ON = ("cpu",)  # device kinds whose fixed-size fp32 models are frozen into a package (docs/benchmarks.md)
@@ -103,16 +105,30 @@ def _thread_lock_for_tqdm() -> None:
         tqdm.tqdm.set_lock(threading.RLock())
 
 
-def warm_key(settings: BuiltinModel, max_batch_size: int | Literal["auto"], device: str) -> str:
+def warm_key(settings: BuiltinModel, max_batch_size: int | Literal["auto"], device: torch.device) -> str:
     """What names a warm-up's code in the cache: the model file (path, size and time), the settings that shape its
-    graphs, the device kind, the worker's threads, torch's version and the weight packing's. A wrong match costs
-    time, never correctness: the workers then compile beside each other, or one after the other."""
+    graphs, the device's kind and processor, the worker's threads, torch's version and the weight packing's. A cache
+    shared by pods on other processors (a PersistentVolumeClaim) so never hands one a package made for another. A
+    wrong match costs time, never correctness: the workers then compile beside each other, or one after the other."""
     model = settings.model[0]
     path = Path(model)
     facts = path.stat() if path.is_file() else None
     shape = (settings.input_size, max_batch_size, settings.precision, settings.channels_last)
-    found = [model, facts and (facts.st_size, facts.st_mtime_ns), shape, device, torch.get_num_threads()]
-    return hashlib.sha256(repr([*found, torch.__version__, VERSION]).encode()).hexdigest()[:16]
+    found = [model, facts and (facts.st_size, facts.st_mtime_ns), shape, device.type, processor(device)]
+    return hashlib.sha256(repr([*found, torch.get_num_threads(), torch.__version__, VERSION]).encode()).hexdigest()[:16]
+
+
+def processor(device: torch.device) -> str:
+    """The processor compiled code is made for: a GPU's name and compute capability, or the CPU's model and the
+    instruction sets it has (a frozen package holds machine code and weight layouts for them); from /proc/cpuinfo."""
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)} {torch.cuda.get_device_capability(device)}"
+    facts: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path(CPU_FACTS).read_text().splitlines():
+            name, _, value = line.partition(":")
+            facts.setdefault(name.strip(), value.strip())  # the first processor's; the others are the same
+    return f"{facts.get('model name', platform.machine())} [{facts.get('flags', '')}]"
 
 
 def graphs_compiled() -> int:

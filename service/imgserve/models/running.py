@@ -67,7 +67,7 @@ class ModelRunner:
         fixed_size = settings.input_size is not None
         if compiled.wanted(settings.compile, device.type, model, fixed_size):
             cache = compiled.cache_directory(settings.compile_cache_dir)
-            key = compiled.warm_key(settings, max_batch_size, device.type)
+            key = compiled.warm_key(settings, max_batch_size, device)
             freeze = compiled.freezes(model, device.type, fixed_size, settings.precision)
             largest = None if max_batch_size == "auto" else max_batch_size
             runner.call = compiled.CompiledModel(model, cache, not fixed_size, key, freeze, largest, threads)
