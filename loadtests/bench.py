@@ -81,7 +81,7 @@ class Plan:
     def make(cls, quick: bool) -> Plan:
         levels = (1, 20) if quick else CONCURRENCIES
         if quick:
-            return cls((*levels, OVERLOAD_FACTOR * levels[-1]), 2.0, 0.5, 1.0, (1, 8))
+            return cls((*levels, OVERLOAD_FACTOR * levels[-1]), 1.0, 0.5, 1.0, (1, 8))
         return cls((*levels, OVERLOAD_FACTOR * levels[-1]), 10.0, 2.0, 3.0, BATCH_SIZES)
 
     @property

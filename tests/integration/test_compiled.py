@@ -155,10 +155,12 @@ def test_a_restart_reuses_the_frozen_package_and_answers_as_the_eager_server(mod
 def test_a_restart_reuses_torch_compiles_graphs_where_the_model_is_not_frozen(models, tmp_path: Path) -> None:
     """bf16 runs under autocast, which a package cannot hold: torch.compile's graphs instead, cached. The first
     compiled server compiles (its log counts the graphs the cache already held: not all of them), a second one with
-    the same cache directory finds every graph there; both answer as the eager server does, at bf16's precision."""
+    the same cache directory finds every graph there; both answer as the eager server does, at bf16's precision. One
+    worker each: how workers share a cache is the frozen package's test's."""
     data = image_bytes(48, 40, seed=3)
     cache = tmp_path / "cache"
     settings = {"model": str(models["export"]), "compile_cache_dir": str(cache), "max_batch_size": 4}
+    settings |= {"workers_per_device": 1}
     answers, found = [], []
     for compile_it in ({"compile": "false"}, {"compile": "true"}, {"compile": "true"}):
         with served({**settings, "precision": "bf16", **compile_it}, tmp_path) as server:
