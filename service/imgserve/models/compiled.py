@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import importlib
 import logging
 import os
 import platform
@@ -35,7 +34,6 @@ import stat
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Literal
 
 import torch
@@ -116,14 +114,10 @@ def warm_key(settings: BuiltinModel, max_batch_size: int | Literal["auto"], devi
     facts = path.stat() if path.is_file() else None
     shape = (settings.input_size, max_batch_size, settings.precision, settings.channels_last)
     found = [model, facts and (facts.st_size, facts.st_mtime_ns), shape, device.type, processor(device)]
-    versions = [torch.get_num_threads(), torch.__version__, _packing().VERSION]
+    from imgserve.models import packing  # torch's compiler (800 modules, 70 MiB a worker): only where one compiles
+
+    versions = [torch.get_num_threads(), torch.__version__, packing.VERSION]
     return hashlib.sha256(repr([*found, *versions]).encode()).hexdigest()[:16]
-
-
-def _packing() -> ModuleType:
-    """The weight packing, and with it torch's compiler (about 800 modules, 70 MiB in each worker): imported only
-    where a model is compiled."""
-    return importlib.import_module("imgserve.models.packing")
 
 
 def processor(device: torch.device) -> str:
@@ -198,7 +192,8 @@ class CompiledModel:
             return None
         part = self.package.with_name(f".{os.getpid()}-{self.package.name}")  # renamed into place once whole
         batches = range(1, min(self.largest or LAYOUT_BATCHES, LAYOUT_BATCHES) + 1)
-        packing = _packing()
+        from imgserve.models import packing  # torch's compiler: only where one compiles (see warm_key)
+
         configs = {**FREEZING, packing.CONFIG: packing.PackWeights(batches, self.threads or [torch.get_num_threads()])}
         torch._inductor.aoti_compile_and_package(program, package_path=str(part), inductor_configs=configs)
         part.replace(self.package)
